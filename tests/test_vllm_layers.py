@@ -1,0 +1,224 @@
+"""The plugin inside vLLM's real linear layers: loading through vLLM's weight loaders, fused
+QKV / gate_up shards, row-parallel, emulated tensor parallelism, ignore rules, clear errors.
+
+Runs on the CPU (the op's reference path) and, unchanged, on a GPU with the CUDA kernels."""
+import contextlib
+import socket
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import vllm_kbit  # noqa: E402
+from vllm_kbit import format as kf  # noqa: E402
+from vllm_kbit import ops  # noqa: E402
+
+vllm_kbit.register()
+
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,  # noqa: E402
+                              init_distributed_environment, initialize_model_parallel)
+from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,  # noqa: E402
+                                               RowParallelLinear, UnquantizedLinearMethod)
+from vllm.model_executor.layers.quantization import get_quantization_config  # noqa: E402
+
+from vllm_kbit.config import KbitConfig  # noqa: E402
+from vllm_kbit.linear import KbitLinearMethod  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HIDDEN, INTER, HEADS, KV_HEADS = 128, 192, 4, 2
+HEAD = HIDDEN // HEADS
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_env():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(1, 1)
+        yield
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def make_config(bits, ignore=("lm_head",), codebook=None):
+    cfg = KbitConfig.from_config({
+        "quant_method": "kbit", "bits": bits, "block_size": 32, "absmax_format": "e4m4",
+        "codebook": (kf.normal_float_codebook(bits) if codebook is None else codebook).tolist(),
+        "ignore": list(ignore)})
+    cfg.packed_modules_mapping = PACKED
+    return cfg
+
+
+@contextlib.contextmanager
+def tensor_parallel(rank, size):
+    """Build layers as rank `rank` of `size` in this one process: vLLM reads the rank when a
+    layer and its parameters are created, and the loaders narrow the checkpoint with it."""
+    with mock.patch("vllm.model_executor.layers.linear.get_tensor_model_parallel_rank", return_value=rank), \
+         mock.patch("vllm.model_executor.layers.linear.get_tensor_model_parallel_world_size", return_value=size), \
+         mock.patch("vllm.model_executor.parameter.get_tensor_model_parallel_rank", return_value=rank), \
+         mock.patch("vllm.model_executor.parameter.get_tensor_model_parallel_world_size", return_value=size):
+        yield
+
+
+def checkpoint(rows, cols, bits, gen, cb=None):
+    """A random float weight and its kbit checkpoint tensors."""
+    w = torch.randn(rows, cols, generator=gen) * 0.05
+    q, a = kf.quantize(w, bits, cb)
+    return q, a
+
+
+def build(kind, bits, dtype, shards, tp=(0, 1), cfg=None):
+    """A vLLM layer of `kind` loaded shard by shard through its weight loaders, as a model's
+    load_weights does."""
+    cfg = cfg or make_config(bits)
+    torch.set_default_device(DEVICE)
+    try:
+        with tensor_parallel(*tp):
+            if kind == "qkv":
+                layer = QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, bias=False, quant_config=cfg,
+                                          prefix="model.layers.0.self_attn.qkv_proj", params_dtype=dtype)
+            elif kind == "gate_up":
+                layer = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], bias=False, quant_config=cfg,
+                                                   prefix="model.layers.0.mlp.gate_up_proj", params_dtype=dtype)
+            else:
+                layer = RowParallelLinear(INTER, HIDDEN, bias=False, quant_config=cfg, reduce_results=False,
+                                          prefix="model.layers.0.mlp.down_proj", params_dtype=dtype)
+            for shard_id, (q, a) in shards.items():
+                args = () if shard_id is None else (shard_id,)
+                layer.qweight.weight_loader(layer.qweight, q, *args)
+                layer.absmax.weight_loader(layer.absmax, a, *args)
+            layer.quant_method.process_weights_after_loading(layer)
+    finally:
+        torch.set_default_device("cpu")
+    return layer
+
+
+def shards_for(kind, bits, gen):
+    if kind == "qkv":
+        return {"q": checkpoint(HEADS * HEAD, HIDDEN, bits, gen), "k": checkpoint(KV_HEADS * HEAD, HIDDEN, bits, gen),
+                "v": checkpoint(KV_HEADS * HEAD, HIDDEN, bits, gen)}
+    if kind == "gate_up":
+        return {0: checkpoint(INTER, HIDDEN, bits, gen), 1: checkpoint(INTER, HIDDEN, bits, gen)}
+    return {None: checkpoint(HIDDEN, INTER, bits, gen)}
+
+
+def full_weight(shards, bits):
+    return torch.cat([kf.dequantize(q, a, bits, dtype=torch.float64) for q, a in shards.values()])
+
+
+def forward(layer, x):
+    return layer(x.to(DEVICE))[0].cpu()
+
+
+def rel_err(y, ref):
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", kf.SUPPORTED_BITS)
+@pytest.mark.parametrize("kind", ["qkv", "gate_up", "row"])
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_layer_equals_dequantized_reference(kind, bits, dtype, m):
+    gen = torch.Generator().manual_seed(hash((kind, bits, m)) % 2**31)
+    shards = shards_for(kind, bits, gen)
+    layer = build(kind, bits, dtype, shards)
+    assert isinstance(layer.quant_method, KbitLinearMethod)
+    w = full_weight(shards, bits)
+    x = torch.randn(m, w.shape[1], generator=gen).to(dtype)
+    y = forward(layer, x)
+    assert y.dtype == dtype and y.shape == (m, w.shape[0]) and torch.isfinite(y).all()
+    assert rel_err(y, x.double() @ w.t()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("kind", ["qkv", "gate_up", "row"])
+def test_tensor_parallel_2_matches_tp_1(kind):
+    bits, dtype = 4, torch.bfloat16
+    gen = torch.Generator().manual_seed(7)
+    shards = shards_for(kind, bits, gen)
+    k = HIDDEN if kind != "row" else INTER
+    x = torch.randn(6, k, generator=gen).to(dtype)
+    y1 = forward(build(kind, bits, dtype, shards), x)
+    ranks = [build(kind, bits, dtype, shards, tp=(r, 2)) for r in range(2)]
+    if kind == "row":  # each rank sees its half of the input; partial outputs are summed
+        parts = [forward(layer, x[:, r * k // 2:(r + 1) * k // 2]).double() for r, layer in enumerate(ranks)]
+        y2 = (parts[0] + parts[1])
+        assert rel_err(y1, y2) < 1e-2
+        return
+    outs = [forward(layer, x) for layer in ranks]
+    sizes = ([HEADS * HEAD // 2, KV_HEADS * HEAD // 2, KV_HEADS * HEAD // 2] if kind == "qkv" else [INTER // 2] * 2)
+    pieces = [o.split(sizes, dim=1) for o in outs]  # per rank: its slice of every fused shard
+    y2 = torch.cat([pieces[r][s] for s in range(len(sizes)) for r in range(2)], dim=1)
+    assert torch.equal(y1, y2)
+
+
+def test_ignored_layers_stay_unquantized():
+    cfg = make_config(4, ignore=["lm_head", "re:.*self_attn\\.(q|k|v)_proj$", "model.layers.0.mlp.down_proj"])
+    assert isinstance(cfg.get_quant_method(_linear_stub(), "model.layers.0.self_attn.qkv_proj"), UnquantizedLinearMethod)
+    assert isinstance(cfg.get_quant_method(_linear_stub(), "model.layers.0.mlp.down_proj"), UnquantizedLinearMethod)
+    assert isinstance(cfg.get_quant_method(_linear_stub(), "model.layers.1.mlp.down_proj"), KbitLinearMethod)
+    assert isinstance(cfg.get_quant_method(_linear_stub(), "model.layers.0.mlp.gate_up_proj"), KbitLinearMethod)
+    assert cfg.get_quant_method(torch.nn.Embedding(4, 4), "model.embed_tokens") is None
+
+
+def _linear_stub():
+    from vllm.model_executor.layers.linear import LinearBase
+    return LinearBase.__new__(LinearBase)
+
+
+def test_registered_and_config_errors():
+    assert get_quantization_config("kbit") is KbitConfig
+    with pytest.raises(ValueError, match="exactly 8"):
+        KbitConfig.from_config({"quant_method": "kbit", "bits": 3, "codebook": [0.0, 0.5, 1.0]})
+    with pytest.raises(ValueError, match="bits must be"):
+        KbitConfig.from_config({"quant_method": "kbit", "bits": 6})
+    with pytest.raises(ValueError, match="absmax_format"):
+        KbitConfig.from_config({"quant_method": "kbit", "bits": 4, "absmax_format": "fp16"})
+
+
+def test_checkpoint_errors_name_the_tensor():
+    gen = torch.Generator().manual_seed(3)
+    with pytest.raises(ValueError, match=r"down_proj\.qweight has shape .*bits=4"):  # a 3-bit checkpoint, 4-bit config
+        build("row", 4, torch.bfloat16, {None: checkpoint(HIDDEN, INTER, 3, gen)})
+    q, a = checkpoint(HIDDEN, INTER, 4, gen)
+    with pytest.raises(ValueError, match=r"down_proj\.absmax must be torch.uint8"):
+        build("row", 4, torch.bfloat16, {None: (q, a.to(torch.int32))})
+    shards = shards_for("qkv", 4, gen)
+    del shards["v"]
+    with pytest.raises(ValueError, match=r"qkv_proj\.qweight is missing from the checkpoint"):
+        build("qkv", 4, torch.bfloat16, shards)
+
+
+def test_tensor_parallel_split_must_keep_whole_blocks():
+    cfg = make_config(4)
+    with tensor_parallel(0, 2), pytest.raises(ValueError, match=r"o_proj: input size 96 split .* into 48"):
+        RowParallelLinear(96, 64, bias=False, quant_config=cfg, reduce_results=False,
+                          prefix="model.layers.0.self_attn.o_proj", params_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("bits", kf.SUPPORTED_BITS)
+def test_op_bias_fake_and_compile(bits):
+    gen = torch.Generator().manual_seed(bits)
+    q, a = checkpoint(96, 64, bits, gen)
+    cb = kf.normal_float_codebook(bits)
+    packed, absmax = ops.repack(q.to(DEVICE), a.to(DEVICE), bits)
+    x = torch.randn(3, 7, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    bias = torch.randn(96, generator=gen).to(torch.bfloat16).to(DEVICE)
+    args = (packed, absmax, cb.to(DEVICE), bits, 96, 64, bias)
+    y = ops.gemm(x, *args)
+    ref = x.double().cpu() @ kf.dequantize(q, a, bits, dtype=torch.float64).t() + bias.double().cpu()
+    assert y.shape == (3, 7, 96) and rel_err(y.cpu(), ref) < 1e-2
+    torch.library.opcheck(torch.ops.kbit.gemm.default, (x.reshape(-1, 64), *args),
+                          test_utils=("test_schema", "test_faketensor"))
+    compiled = torch.compile(lambda t: ops.gemm(t, *args), backend="aot_eager", dynamic=True, fullgraph=True)
+    for m in (1, 5):
+        xm = torch.randn(m, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+        torch.testing.assert_close(compiled(xm), ops.gemm(xm, *args))

@@ -1,0 +1,86 @@
+"""`kbit` as a vLLM quantization method: the config vLLM builds from config.json.
+
+Registered by importing this module (vllm_kbit.register, the `vllm.general_plugins` entry
+point, does it in every vLLM process). Importing it must not initialise CUDA.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.quantization.compressed_tensors.utils import should_ignore_layer
+
+from vllm_kbit import format as kf
+
+
+@register_quantization_config("kbit")
+class KbitConfig(QuantizationConfig):
+    """bits, codebook and the layers left unquantized (compressed-tensors `ignore` semantics:
+    exact module names or `re:` regexes; a fused vLLM layer such as qkv_proj is skipped when
+    all of its checkpoint shards are).
+
+    Built by `from_config` for a kbit checkpoint. Built with no arguments (`--quantization kbit`
+    on a model without a quantization_config) it quantizes the checkpoint's float weights at
+    load time, or, with `--load-format dummy`, fills random valid kbit weights.
+    """
+
+    def __init__(self, bits: int = 4, block_size: int = kf.BLOCK_SIZE, codebook=None,
+                 ignore: list[str] | None = None, absmax_format: str = "e4m4",
+                 from_checkpoint: bool = False):
+        super().__init__()
+        kf.check_bits(bits)
+        if block_size != kf.BLOCK_SIZE:
+            raise ValueError(f"kbit: block_size must be {kf.BLOCK_SIZE}, got {block_size}")
+        if str(absmax_format).lower() != "e4m4":
+            raise ValueError(f"kbit: absmax_format must be 'e4m4', got {absmax_format!r}")
+        self.bits = bits
+        self.block_size = block_size
+        try:
+            self.codebook = (kf.normal_float_codebook(bits) if codebook is None
+                             else kf.check_codebook(codebook, bits))
+        except kf.KbitFormatError as e:
+            raise ValueError(f"kbit quantization_config: {e}") from None
+        self.ignore = list(ignore or [])
+        self.from_checkpoint = from_checkpoint
+
+    def __repr__(self) -> str:
+        return f"KbitConfig(bits={self.bits}, ignore={self.ignore})"
+
+    def get_name(self) -> str:
+        return "kbit"
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        # Empty: `--quantization kbit` on a plain model folder builds KbitConfig() (online mode).
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "KbitConfig":
+        return cls(bits=cls.get_from_keys(config, ["bits"]),
+                   block_size=cls.get_from_keys_or(config, ["block_size"], kf.BLOCK_SIZE),
+                   codebook=cls.get_from_keys_or(config, ["codebook"], None),
+                   ignore=cls.get_from_keys_or(config, ["ignore"], None),
+                   absmax_format=cls.get_from_keys_or(config, ["absmax_format"], "e4m4"),
+                   from_checkpoint=True)
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        if self.ignore:
+            self.ignore = hf_to_vllm_mapper.apply_list(self.ignore)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if not isinstance(layer, LinearBase):
+            return None  # embeddings, lm_head, attention, MoE: unquantized
+        if should_ignore_layer(prefix, ignore=self.ignore, fused_mapping=self.packed_modules_mapping):
+            return UnquantizedLinearMethod()
+        from vllm_kbit.linear import KbitLinearMethod
+        return KbitLinearMethod(self, prefix)

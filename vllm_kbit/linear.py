@@ -1,0 +1,123 @@
+"""KbitLinearMethod: the parameters vLLM loads for a kbit linear layer, the load-time repack,
+and `apply`, which calls the one fused op `kbit::gemm`.
+
+Parameters (per tensor-parallel rank: N = sum(output_partition_sizes), K = input size per rank):
+  qweight  int32 [N, K/32*bits]  PackedvLLMParameter   (input_dim=1, output_dim=0)
+  absmax   uint8 [N, K/32]       GroupQuantScaleParameter
+vLLM's own loaders shard them: column/QKV/merged layers narrow dim 0 in rows; row-parallel
+layers narrow dim 1, which stays on block boundaries as long as K/tp % 32 == 0 (checked).
+The packed dim is the input dim, so vLLM applies no packing arithmetic to the output offsets.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+import torch
+from vllm.config import get_current_vllm_config_or_none
+from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
+from vllm.model_executor.layers.quantization.utils.layer_utils import replace_parameter
+from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter, PackedvLLMParameter
+
+from vllm_kbit import format as kf
+from vllm_kbit import ops
+
+# E4M4 codes for the random weights of --load-format dummy: absmax between 0.03 and 0.12,
+# the range of real LLM linear layers, so activations stay healthy.
+_DUMMY_CODE_LO, _DUMMY_CODE_HI = int(kf.encode_e4m4(torch.tensor(0.03))), int(kf.encode_e4m4(torch.tensor(0.12)))
+
+
+@register_weight_loader_v2_supported_method
+class KbitLinearMethod(LinearMethodBase):
+    """Three modes, fixed at create time:
+    - checkpoint: a kbit checkpoint (quantization_config in config.json);
+    - online:     `--quantization kbit` on a float checkpoint: load `weight`, quantize after loading;
+    - dummy:      `--load-format dummy`: random valid kbit weights."""
+
+    def __init__(self, config, prefix: str):
+        self.config = config
+        self.prefix = prefix
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        bits = self.config.bits
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        if k % kf.BLOCK_SIZE:
+            split = f" split over tensor-parallel ranks into {k}" if k != input_size else ""
+            raise ValueError(
+                f"kbit layer {self.prefix}: input size {input_size}{split} is not a multiple of "
+                f"the {kf.BLOCK_SIZE}-weight block; use a tensor-parallel size that keeps whole "
+                f"blocks per rank, or list the layer in quantization_config.ignore")
+        vc = get_current_vllm_config_or_none()
+        dummy = vc is not None and vc.load_config.load_format == "dummy"
+        layer.kbit_mode = "dummy" if dummy else ("checkpoint" if self.config.from_checkpoint else "online")
+        layer.kbit_n, layer.kbit_k = n, k
+        layer.kbit_loaded = {}
+        layer.kbit_expected_shards = len(output_partition_sizes)
+        loader = extra_weight_attrs["weight_loader"]
+
+        if layer.kbit_mode == "online":
+            layer.register_parameter("weight", ModelWeightParameter(
+                data=torch.empty(n, k, dtype=params_dtype), input_dim=1, output_dim=0,
+                weight_loader=loader))
+            return
+        layer.register_parameter("qweight", PackedvLLMParameter(
+            data=torch.empty(n, k // kf.BLOCK_SIZE * bits, dtype=torch.int32),
+            input_dim=1, output_dim=0, packed_dim=1, packed_factor=Fraction(kf.BLOCK_SIZE, bits),
+            weight_loader=self._checked_loader(layer, "qweight", loader, torch.int32,
+                                               input_size // kf.BLOCK_SIZE * bits)))
+        layer.register_parameter("absmax", GroupQuantScaleParameter(
+            data=torch.empty(n, k // kf.BLOCK_SIZE, dtype=torch.uint8), input_dim=1, output_dim=0,
+            weight_loader=self._checked_loader(layer, "absmax", loader, torch.uint8,
+                                               input_size // kf.BLOCK_SIZE)))
+
+    def _checked_loader(self, layer, name, loader, dtype, cols):
+        """vLLM's loader, after checks that name the tensor, recording which shards arrived
+        (vLLM itself does not report missing tensors of quantized layers)."""
+        full = f"{self.prefix}.{name}"
+
+        def load(param, loaded_weight: torch.Tensor, *args, **kwargs):
+            if loaded_weight.dtype != dtype:
+                raise ValueError(f"kbit: {full} must be {dtype}, the checkpoint has {loaded_weight.dtype}")
+            if loaded_weight.dim() != 2 or loaded_weight.shape[1] != cols:
+                raise ValueError(
+                    f"kbit: {full} has shape {tuple(loaded_weight.shape)}; expected [rows, {cols}] "
+                    f"for bits={self.config.bits} (is the checkpoint's `bits` right?)")
+            shard = args[0] if args else kwargs.get("loaded_shard_id")
+            layer.kbit_loaded.setdefault(name, set()).add(shard)
+            return loader(param, loaded_weight, *args, **kwargs)
+
+        return load
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        bits, cb = self.config.bits, self.config.codebook
+        if layer.kbit_mode == "online":
+            qweight, absmax, _ = ops.quantize(layer.weight.data, bits, cb, name=f"{self.prefix}.weight")
+            del layer.weight
+        else:
+            qweight, absmax = layer.qweight.data, layer.absmax.data
+            if layer.kbit_mode == "dummy":
+                qweight.random_()  # int32 random_ covers every bit pattern
+                absmax.random_(_DUMMY_CODE_LO, _DUMMY_CODE_HI + 1)
+            else:
+                self._check_all_loaded(layer)
+        packed, absmax_packed = ops.repack(qweight, absmax, bits)
+        for name, t in (("qweight", packed), ("absmax", absmax_packed)):
+            if hasattr(layer, name):
+                replace_parameter(layer, name, torch.nn.Parameter(t, requires_grad=False))
+            else:
+                layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+        layer.register_buffer("kbit_codebook", cb.to(packed.device), persistent=False)
+
+    def _check_all_loaded(self, layer) -> None:
+        for name in ("qweight", "absmax"):
+            shards = layer.kbit_loaded.get(name, set())
+            if None not in shards and len(shards) < layer.kbit_expected_shards:
+                got = sorted(map(str, shards)) or "none"
+                raise ValueError(
+                    f"kbit: {self.prefix}.{name} is missing from the checkpoint "
+                    f"(loaded shards: {got} of {layer.kbit_expected_shards})")
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return ops.gemm(x, layer.qweight, layer.absmax, layer.kbit_codebook, self.config.bits,
+                        layer.kbit_n, layer.kbit_k, bias)

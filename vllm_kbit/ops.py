@@ -1,0 +1,96 @@
+"""The kbit custom ops (`torch.ops.kbit.*`): schemas, fake (meta) kernels, and the reference path.
+
+Schemas live here so they exist with or without the CUDA extension. `vllm_kbit._C` registers
+CUDA kernels for them; where it is not built (CPU machines, or a GPU without the extension)
+the PyTorch reference below serves every device, on the checkpoint layout (repack is then
+the identity). The layout `repack` returns is whatever the kernels of that device read:
+callers treat it as opaque and hand it back to `gemm` unchanged.
+
+  kbit::repack(qweight, absmax, bits) -> (packed, absmax_packed)      once, at load time
+  kbit::gemm(x[M,K], packed, absmax_packed, codebook, bits, n, k, bias?) -> y[M,n]
+  kbit::quantize(w[N,K], codebook, bits) -> (qweight, absmax)          checkpoint layout
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_kbit import format as kf
+
+_lib = torch.library.Library("kbit", "DEF")
+_lib.define("repack(Tensor qweight, Tensor absmax, int bits) -> (Tensor, Tensor)")
+_lib.define("gemm(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, "
+            "SymInt n, SymInt k, Tensor? bias=None) -> Tensor")
+_lib.define("quantize(Tensor weight, Tensor codebook, int bits) -> (Tensor, Tensor)")
+
+try:  # registers the CUDA kernels for the schemas above
+    from vllm_kbit import _C  # noqa: F401
+    HAS_CUDA_KERNELS = True
+except ImportError:
+    HAS_CUDA_KERNELS = False
+
+
+# ----------------------------------------------------------------------------- reference path
+
+def _repack_ref(qweight, absmax, bits):
+    return qweight.clone(), absmax.clone()
+
+
+def _gemm_ref(x, packed, absmax, codebook, bits, n, k, bias=None):
+    # Dequantize in float32, matmul in the activation dtype (what a bf16/fp16 layer does).
+    w = kf.dequantize(packed, absmax, bits, codebook.float(), dtype=x.dtype)
+    y = x @ w.t()
+    return y + bias if bias is not None else y
+
+
+def _quantize_ref(weight, codebook, bits):
+    return kf.quantize(weight, bits, codebook)
+
+
+_REF_KEYS = ["CPU"] if HAS_CUDA_KERNELS else ["CPU", "CUDA"]
+for _key in _REF_KEYS:
+    _lib.impl("repack", _repack_ref, _key)
+    _lib.impl("gemm", _gemm_ref, _key)
+    _lib.impl("quantize", _quantize_ref, _key)
+
+
+# ----------------------------------------------------------------------------- fake kernels
+
+@torch.library.register_fake("kbit::gemm")
+def _gemm_fake(x, packed, absmax, codebook, bits, n, k, bias=None):
+    return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake("kbit::repack")
+def _repack_fake(qweight, absmax, bits):
+    raise RuntimeError("kbit::repack runs eagerly at load time; it has no meta shape rule")
+
+
+@torch.library.register_fake("kbit::quantize")
+def _quantize_fake(weight, codebook, bits):
+    n, k = weight.shape
+    return (weight.new_empty((n, k // 32 * bits), dtype=torch.int32),
+            weight.new_empty((n, k // 32), dtype=torch.uint8))
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+def repack(qweight: torch.Tensor, absmax: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.kbit.repack(qweight, absmax, bits)
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
+         bits: int, n: int, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) for x [..., k]; the GEMV / tensor-core choice is made inside."""
+    y = torch.ops.kbit.gemm(x.reshape(-1, k), packed, absmax, codebook, bits, n, k, bias)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = None,
+             name: str = "weight") -> tuple[torch.Tensor, torch.Tensor, int]:
+    """W[N, K] -> (qweight, absmax, underflow_blocks) in the checkpoint layout, on the weight's
+    device (the CUDA kernel where built, else the reference). Bad input raises
+    KbitFormatError naming `name` (see format.check_quantizable)."""
+    cb = kf.normal_float_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
+    underflow = kf.check_quantizable(weight, name)
+    q, a = torch.ops.kbit.quantize(weight.contiguous(), cb.to(weight.device), bits)
+    return q, a, underflow
