@@ -83,10 +83,18 @@ def _e4m4_table_cpu() -> torch.Tensor:
     return torch.where(e > 0, normal, subnormal).to(torch.float32)
 
 
+@functools.lru_cache(maxsize=None)
+def _on_device(make, device: torch.device) -> torch.Tensor:
+    # One copy per device, made on first use: later calls (e.g. inside CUDA-graph capture,
+    # where a host-to-device copy is not allowed) reuse it.
+    return make().to(device)
+
+
 def e4m4_table(device=None) -> torch.Tensor:
     """float32[256]: the value of every E4M4 code. Strictly increasing in the code."""
-    t = _e4m4_table_cpu()
-    return t.to(device) if device is not None else t.clone()
+    if device is None:
+        return _e4m4_table_cpu().clone()
+    return _on_device(_e4m4_table_cpu, torch.device(device))
 
 
 def decode_e4m4(codes: torch.Tensor) -> torch.Tensor:
@@ -107,7 +115,12 @@ def encode_e4m4(values: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- bit-planes
 
-_SHIFTS = torch.arange(BLOCK_SIZE, dtype=torch.int64)
+def _shifts_cpu() -> torch.Tensor:
+    return torch.arange(BLOCK_SIZE, dtype=torch.int64)
+
+
+def _shifts(device) -> torch.Tensor:
+    return _on_device(_shifts_cpu, torch.device(device))
 
 
 def pack_bitplanes(indices: torch.Tensor, bits: int) -> torch.Tensor:
@@ -117,7 +130,7 @@ def pack_bitplanes(indices: torch.Tensor, bits: int) -> torch.Tensor:
     check_bits(bits)
     idx = indices.reshape(*indices.shape[:-1], -1, 1, BLOCK_SIZE).to(torch.int64)
     planes = (idx >> torch.arange(bits, device=idx.device).view(bits, 1)) & 1      # [..., nb, bits, 32]
-    words = (planes << _SHIFTS.to(idx.device)).sum(-1)                             # [..., nb, bits] in [0, 2^32)
+    words = (planes << _shifts(idx.device)).sum(-1)                             # [..., nb, bits] in [0, 2^32)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
     return words.reshape(*indices.shape[:-1], -1)
 
@@ -126,7 +139,7 @@ def unpack_bitplanes(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [..., nblocks*bits] -> uint8 indices [..., nblocks*32]."""
     check_bits(bits)
     w = words.reshape(*words.shape[:-1], -1, bits, 1).to(torch.int64) & 0xFFFFFFFF
-    planes = (w >> _SHIFTS.to(w.device)) & 1                                      # [..., nb, bits, 32]
+    planes = (w >> _shifts(w.device)) & 1                                      # [..., nb, bits, 32]
     idx = (planes << torch.arange(bits, device=w.device).view(bits, 1)).sum(-2)    # [..., nb, 32]
     return idx.to(torch.uint8).reshape(*words.shape[:-1], -1)
 

@@ -3,14 +3,17 @@
 Schemas live here so they exist with or without the CUDA extension. `vllm_kbit._C` registers
 CUDA kernels for them; where it is not built (CPU machines, or a GPU without the extension)
 the PyTorch reference below serves every device, on the checkpoint layout (repack is then
-the identity). The layout `repack` returns is whatever the kernels of that device read:
-callers treat it as opaque and hand it back to `gemm` unchanged.
+the identity). VLLM_KBIT_REFERENCE=1 forces the reference path (to compare against it).
+The layout `repack` returns is whatever the kernels of that device read: callers treat it
+as opaque and hand it back to `gemm` unchanged.
 
   kbit::repack(qweight, absmax, bits) -> (packed, absmax_packed)      once, at load time
   kbit::gemm(x[M,K], packed, absmax_packed, codebook, bits, n, k, bias?) -> y[M,n]
   kbit::quantize(w[N,K], codebook, bits) -> (qweight, absmax)          checkpoint layout
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -22,11 +25,13 @@ _lib.define("gemm(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int b
             "SymInt n, SymInt k, Tensor? bias=None) -> Tensor")
 _lib.define("quantize(Tensor weight, Tensor codebook, int bits) -> (Tensor, Tensor)")
 
-try:  # registers the CUDA kernels for the schemas above
-    from vllm_kbit import _C  # noqa: F401
-    HAS_CUDA_KERNELS = True
-except ImportError:
-    HAS_CUDA_KERNELS = False
+HAS_CUDA_KERNELS = False
+if os.environ.get("VLLM_KBIT_REFERENCE", "0") != "1":
+    try:  # registers the CUDA kernels for the schemas above
+        from vllm_kbit import _C  # noqa: F401
+        HAS_CUDA_KERNELS = True
+    except ImportError:
+        pass
 
 
 # ----------------------------------------------------------------------------- reference path

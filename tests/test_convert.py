@@ -1,0 +1,311 @@
+"""HF -> kbit converter: tiny random Llamas (sharded safetensors) converted on the CPU.
+
+Inputs are fresh random models; set KBIT_TEST_SEED to replay a run (a failing test's captured
+output shows the seed)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from vllm_kbit import format as kf
+from vllm_kbit.convert import INDEX_NAME, ConversionError, convert, main
+from vllm_kbit.format import KbitFormatError
+from vllm_kbit.synthetic import make_random_llama
+
+SEED = int(os.environ.get("KBIT_TEST_SEED", random.SystemRandom().randrange(2**31)))
+LAYERS = 2
+PROJS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = [f"model.layers.{i}.{p}" for i in range(LAYERS) for p in PROJS]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+# N(0, 0.02) weights give about 7.3 / 15 / 21 / 26 dB; the margin covers the smallest tensors.
+MIN_SQNR_DB = {2: 5.5, 3: 12.5, 4: 18.5, 5: 23.5}
+
+
+def _tiny_llama(dst: Path, seed: int, intermediate_size: int = 128) -> Path:
+    return make_random_llama(dst, hidden_size=64, intermediate_size=intermediate_size, num_layers=LAYERS,
+                             num_heads=4, num_kv_heads=2, vocab_size=320, seed=seed, max_shard_size="40KB")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    print(f"KBIT_TEST_SEED={SEED}")
+    src = _tiny_llama(tmp_path_factory.mktemp("src") / "llama", SEED)
+    assert len(json.loads((src / INDEX_NAME).read_text())["weight_map"]) > 0
+    assert len(list(src.glob("*.safetensors"))) > 1, "the source must be sharded"
+    return src
+
+
+@pytest.fixture
+def src_copy(llama, tmp_path) -> Path:
+    """A private copy of the source model, for tests that edit it."""
+    return Path(shutil.copytree(llama, tmp_path / "src"))
+
+
+def load_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a sharded checkpoint, checking the index against the shards."""
+    index = json.loads((folder / INDEX_NAME).read_text())
+    weight_map = index["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == shards
+    tensors = {}
+    for shard in shards:
+        with safe_open(str(folder / shard), framework="pt") as f:
+            keys = set(f.keys())
+            assert keys == {n for n, s in weight_map.items() if s == shard}, shard
+            assert not keys & tensors.keys(), "a tensor in two shards"
+            tensors.update({k: f.get_tensor(k) for k in keys})
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    return tensors
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def quant_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())["quantization_config"]
+
+
+def assert_quantized(src_t, out_t, name, bits, codebook=None):
+    w = src_t[f"{name}.weight"]
+    n, k = w.shape
+    q, a = out_t[f"{name}.qweight"], out_t[f"{name}.absmax"]
+    assert f"{name}.weight" not in out_t
+    assert q.dtype == torch.int32 and q.shape == (n, k // 32 * bits), name
+    assert a.dtype == torch.uint8 and a.shape == (n, k // 32), name
+    deq = kf.dequantize(q, a, bits, codebook)
+    assert torch.equal(deq, kf.dequantize(*kf.quantize(w, bits, codebook), bits, codebook)), name
+    return kf.sqnr_db(w.float(), deq)
+
+
+def assert_kept(src_t, out_t, name):
+    assert same_bytes(src_t[f"{name}.weight"], out_t[f"{name}.weight"]), name
+    assert f"{name}.qweight" not in out_t and f"{name}.absmax" not in out_t, name
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_convert_sharded_llama(llama, tmp_path, bits):
+    dst = tmp_path / "kbit"
+    report = convert(llama, dst, bits, max_shard_size="30KB", device="cpu", progress=False)
+    src_t, out_t = load_checkpoint(llama), load_checkpoint(dst)
+    assert len(list(dst.glob("*.safetensors"))) > 1
+
+    assert sorted(report.quantized) == sorted(f"{m}.weight" for m in LINEARS)
+    for m in LINEARS:
+        assert assert_quantized(src_t, out_t, m, bits) > MIN_SQNR_DB[bits], m
+    # Everything else (embeddings, norms, lm_head) byte for byte.
+    rest = set(src_t) - {f"{m}.weight" for m in LINEARS}
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+            "model.layers.1.input_layernorm.weight"} <= rest
+    assert set(out_t) == rest | {f"{m}.{s}" for m in LINEARS for s in ("qweight", "absmax")}
+    for name in rest:
+        assert same_bytes(src_t[name], out_t[name]), name
+    assert report.skipped == {"lm_head.weight": "ignored (matches 'lm_head')"}
+
+    config = json.loads((dst / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    assert config == json.loads((llama / "config.json").read_text())
+    assert (qc["quant_method"], qc["bits"], qc["block_size"], qc["absmax_format"]) == ("kbit", bits, 32, "e4m4")
+    assert torch.equal(torch.tensor(qc["codebook"], dtype=torch.float32), kf.normal_float_codebook(bits))
+    assert "lm_head" in qc["ignore"] and qc["ignore"] == report.ignore
+    for f in TOKENIZER_FILES:
+        assert (dst / f).read_bytes() == (llama / f).read_bytes(), f
+    assert sorted(report.copied_files) == sorted(TOKENIZER_FILES)
+    assert report.bytes_in == sum(t.numel() * t.element_size() for t in src_t.values())
+    assert report.bytes_out == json.loads((dst / INDEX_NAME).read_text())["metadata"]["total_size"]
+    assert report.bytes_out < report.bytes_in
+    assert os.listdir(tmp_path) == ["kbit"]
+
+
+def test_output_loads_with_transformers_tokenizer(llama, tmp_path):
+    from transformers import AutoTokenizer
+
+    dst = tmp_path / "kbit"
+    convert(llama, dst, 4, progress=False)
+    text = "The quick brown fox, step 42."
+    assert AutoTokenizer.from_pretrained(dst)(text).input_ids == AutoTokenizer.from_pretrained(llama)(text).input_ids
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf", "huge"])
+def test_bad_weight_fails_naming_tensor_and_leaves_nothing(src_copy, tmp_path, poison):
+    rng = random.Random(SEED)
+    name = f"{rng.choice(LINEARS)}.weight"
+    shard = src_copy / json.loads((src_copy / INDEX_NAME).read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    w = tensors[name].clone()
+    w[rng.randrange(w.shape[0]), rng.randrange(w.shape[1])] = {"nan": float("nan"), "inf": float("-inf"),
+                                                              "huge": 2 * kf.E4M4_MAX}[poison]
+    tensors[name] = w
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(KbitFormatError, match=re.escape(name)):
+        convert(src_copy, tmp_path / "out", 4, progress=False)
+    assert sorted(os.listdir(tmp_path)) == before  # no DST, no temp folder
+
+    # With --overwrite, a failed conversion leaves the existing DST as it was.
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old.txt").write_text("previous")
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(KbitFormatError, match=re.escape(name)):
+        convert(src_copy, dst, 4, overwrite=True, progress=False)
+    assert sorted(os.listdir(tmp_path)) == before
+    assert os.listdir(dst) == ["old.txt"] and (dst / "old.txt").read_text() == "previous"
+
+    assert main([str(src_copy), str(tmp_path / "cli"), "--bits", "3"]) != 0
+    assert not (tmp_path / "cli").exists()
+
+
+def test_existing_dst_needs_overwrite(llama, tmp_path):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old.txt").write_text("previous")
+    with pytest.raises(ConversionError, match="--overwrite"):
+        convert(llama, dst, 4, progress=False)
+    assert os.listdir(dst) == ["old.txt"]
+
+    convert(llama, dst, 4, overwrite=True, progress=False)
+    assert not (dst / "old.txt").exists()
+    assert quant_config(dst)["bits"] == 4
+    load_checkpoint(dst)
+    assert os.listdir(tmp_path) == ["out"]  # the replaced DST and the temp folder are gone
+
+
+def test_ignore_exact_and_regex(llama, tmp_path):
+    exact = "model.layers.0.self_attn.q_proj"
+    regex = r"re:model\.layers\.1\.mlp\..*"
+    report = convert(llama, tmp_path / "out", 3, ignore=[exact, regex], progress=False)
+    src_t, out_t = load_checkpoint(llama), load_checkpoint(tmp_path / "out")
+    ignored = {exact} | {f"model.layers.1.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+    for m in LINEARS:
+        if m in ignored:
+            assert_kept(src_t, out_t, m)
+            assert f"{m}.weight" in report.skipped
+        else:
+            assert_quantized(src_t, out_t, m, 3)
+    assert sorted(report.quantized) == sorted(f"{m}.weight" for m in set(LINEARS) - ignored)
+    ignore = quant_config(tmp_path / "out")["ignore"]
+    assert {"lm_head", exact, regex} <= set(ignore)
+
+
+def test_in_features_not_multiple_of_32_left_unquantized(tmp_path, capsys):
+    # intermediate 80: gate/up are [80, 64] (quantizable), down_proj is [64, 80] (K = 80).
+    src = _tiny_llama(tmp_path / "src", SEED + 1, intermediate_size=80)
+    report = convert(src, tmp_path / "out", 4, progress=False)
+    src_t, out_t = load_checkpoint(src), load_checkpoint(tmp_path / "out")
+    ignore = quant_config(tmp_path / "out")["ignore"]
+    err = capsys.readouterr().err
+    for m in LINEARS:
+        if m.endswith("down_proj"):
+            assert_kept(src_t, out_t, m)
+            assert m in ignore
+            assert "multiple of 32" in report.skipped[f"{m}.weight"]
+            assert m in err
+        else:
+            assert_quantized(src_t, out_t, m, 4)
+
+
+def test_custom_codebook_via_cli(llama, tmp_path):
+    bits = 2
+    cb = torch.sort(torch.rand(1 << bits, generator=torch.Generator().manual_seed(SEED)) * 2 - 1).values
+    (tmp_path / "cb.json").write_text(json.dumps(cb.tolist()))
+    dst = tmp_path / "out"
+    rc = main([str(llama), str(dst), "--bits", str(bits), "--codebook", str(tmp_path / "cb.json"),
+               "--ignore", r"re:.*\.o_proj$", "--max-shard-size", "20KB", "--device", "cpu"])
+    assert rc == 0
+    qc = quant_config(dst)
+    assert torch.equal(torch.tensor(qc["codebook"], dtype=torch.float32), cb)
+    assert r"re:.*\.o_proj$" in qc["ignore"]
+    src_t, out_t = load_checkpoint(llama), load_checkpoint(dst)
+    for m in LINEARS:
+        if m.endswith("o_proj"):
+            assert_kept(src_t, out_t, m)
+        else:
+            assert_quantized(src_t, out_t, m, bits, cb)
+
+
+def test_unknown_architecture_uses_name_heuristic(src_copy, tmp_path, capsys):
+    config = json.loads((src_copy / "config.json").read_text())
+    config.update(model_type="kbit_unknown_arch", architectures=["KbitUnknownForCausalLM"])
+    (src_copy / "config.json").write_text(json.dumps(config))
+    report = convert(src_copy, tmp_path / "out", 4, progress=False)
+    assert report.used_heuristic and "by name" in capsys.readouterr().err
+    assert sorted(report.quantized) == sorted(f"{m}.weight" for m in LINEARS)
+
+
+def _bin_only(p: Path) -> Path:
+    p.mkdir()
+    (p / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    torch.save({"w": torch.zeros(2)}, p / "pytorch_model.bin")
+    return p
+
+
+def _no_config(p: Path) -> Path:
+    p.mkdir()
+    save_file({"w": torch.zeros(2)}, str(p / "model.safetensors"))
+    return p
+
+
+def _already_quantized(llama: Path, p: Path) -> Path:
+    shutil.copytree(llama, p)
+    config = json.loads((p / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (p / "config.json").write_text(json.dumps(config))
+    return p
+
+
+@pytest.mark.parametrize("case, kwargs, error, message", [
+    ("missing", {}, ConversionError, "does not exist"),
+    ("bin_only", {}, ConversionError, "no \\*.safetensors"),
+    ("no_config", {}, ConversionError, "config.json"),
+    ("quantized", {}, ConversionError, "already quantized"),
+    ("ok", {"bits": 1}, KbitFormatError, "bits must be one of"),
+    ("ok", {"bits": 6}, KbitFormatError, "bits must be one of"),
+    ("ok", {"codebook": [-1.0, 0.0, 1.0]}, KbitFormatError, "exactly 4"),
+    ("ok", {"codebook": [1.0, 0.5, -0.5, -1.0]}, KbitFormatError, "ascending"),
+    ("ok", {"codebook": [-2.0, -0.5, 0.5, 2.0]}, KbitFormatError, r"\[-1, 1\]"),
+    ("ok", {"codebook": [-1.0, float("nan"), 0.5, 1.0]}, KbitFormatError, "non-finite"),
+    ("ok", {"max_shard_size": "lots"}, ConversionError, "bad size"),
+    ("ok", {"ignore": ["re:("]}, ConversionError, "bad ignore regex"),
+])
+def test_bad_inputs(llama, tmp_path, case, kwargs, error, message):
+    src = {"missing": lambda: tmp_path / "nope", "bin_only": lambda: _bin_only(tmp_path / "bin"),
+           "no_config": lambda: _no_config(tmp_path / "nocfg"),
+           "quantized": lambda: _already_quantized(llama, tmp_path / "q"), "ok": lambda: llama}[case]()
+    kwargs = {"bits": 2, **kwargs}
+    bits = kwargs.pop("bits")
+    with pytest.raises(error, match=message):
+        convert(src, tmp_path / "out", bits, progress=False, **kwargs)
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{src}", "{dst}", "--bits", "7"], "bits must be one of"),
+    (["{src}", "{dst}", "--bits", "four"], "invalid int value"),
+    (["{src}", "{dst}"], "--bits"),
+    (["{tmp}/nope", "{dst}", "--bits", "4"], "does not exist"),
+    (["{src}", "{dst}", "--bits", "2", "--codebook", "[0.5, 0.1"], "--codebook"),
+    (["{src}", "{dst}", "--bits", "2", "--codebook", "[-1, 0, 1]"], "exactly 4"),
+    (["{src}", "{existing}", "--bits", "4"], "--overwrite"),
+])
+def test_cli_errors_are_one_line(llama, tmp_path, capsys, args, message):
+    (tmp_path / "existing").mkdir()
+    fill = {"src": llama, "dst": tmp_path / "out", "tmp": tmp_path, "existing": tmp_path / "existing"}
+    assert main([a.format(**fill) for a in args]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    assert message in err, err
+    assert not (tmp_path / "out").exists() and os.listdir(tmp_path / "existing") == []

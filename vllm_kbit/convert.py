@@ -1,0 +1,485 @@
+"""Convert a Hugging Face safetensors checkpoint into a kbit checkpoint (library API and CLI).
+
+    python -m vllm_kbit.convert SRC DST --bits K [--ignore PATTERN ...] [--overwrite]
+        [--device cpu|cuda] [--codebook JSON_FILE_OR_LIST] [--max-shard-size 2GB]
+
+What is quantized: the weight of every `Linear` of the architecture named by SRC/config.json,
+found by building that architecture on the meta device with transformers and matching it with
+compressed-tensors (`"Linear"` target), except
+  * modules matched by the ignore patterns: DEFAULT_IGNORE (lm_head, MoE experts and routers,
+    which vLLM serves unquantized with this plugin) plus the caller's (compressed-tensors
+    semantics: an exact module name, or "re:<regex>" matched from the start of the name);
+  * linears whose in_features is not a multiple of 32: kept, and added by exact module name
+    to the config's ignore list.
+Each quantized `P.weight` [N, K] becomes `P.qweight` int32 [N, K/32*bits] and `P.absmax` uint8
+[N, K/32] (format.quantize's layout); every other tensor (embeddings, norms, biases, ignored
+linears, checkpoint names that map to no module) is copied byte for byte. If transformers
+cannot build the architecture, or none of its linear weights appear in the checkpoint (keys
+renamed by the architecture), a name heuristic picks the linears instead (see
+`_heuristic_linears`) and says so on stderr.
+
+Memory: tensors are streamed one at a time from SRC and output shards are flushed as soon as
+they reach max_shard_size, so peak host memory is about max_shard_size + the largest tensor +
+the quantizer's working set for it (a float32 copy, plus up to 256 MiB of scratch on the CPU).
+
+Atomicity: everything is written into a hidden temporary folder beside DST, which is renamed
+to DST only once complete; an existing DST (with overwrite) is removed only after that. On any
+error the temporary folder is removed and an existing DST is left as it was.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vllm_kbit import format as kf
+from vllm_kbit.format import KbitFormatError
+
+# lm_head; MoE experts, whether per-expert linears ("...experts.3.w1") or the fused layer
+# ("...mlp.experts"); MoE routers, which vLLM builds without a quant_config.
+DEFAULT_IGNORE = ("lm_head", r"re:.*\.experts(\..*)?$", r"re:.*\.(gate|router|shared_expert_gate)$")
+
+INDEX_NAME = "model.safetensors.index.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+_WEIGHT_INDEXES = re.compile(r".*\.(safetensors|bin|pt|pth)\.index\.json$")
+# Fallback: 2-D weights inside a numbered decoder block.
+_LAYER_RE = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]i?b|b)?\s*", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class ConversionError(ValueError):
+    """Bad input to the converter (paths, options, checkpoint layout)."""
+
+
+@dataclass
+class ConversionReport:
+    src: str
+    dst: str
+    bits: int
+    quantized: list[str] = field(default_factory=list)          # source names now stored as .qweight/.absmax
+    skipped: dict[str, str] = field(default_factory=dict)       # linear weight name -> why it stayed unquantized
+    ignore: list[str] = field(default_factory=list)             # the config's quantization_config.ignore
+    copied_files: list[str] = field(default_factory=list)       # non-weight files copied from SRC
+    not_copied: list[str] = field(default_factory=list)         # SRC entries left out (weights in other formats, folders)
+    underflow_blocks: dict[str, int] = field(default_factory=dict)  # name -> non-zero blocks stored as zeros
+    unmapped_2d: list[str] = field(default_factory=list)        # 2-D tensors of no known Linear, copied as is
+    used_heuristic: bool = False
+    num_shards: int = 0
+    bytes_in: int = 0    # tensor bytes read
+    bytes_out: int = 0   # tensor bytes written (the index's total_size)
+
+    def summary(self) -> str:
+        lines = [f"kbit K={self.bits}: {len(self.quantized)} linear weights quantized, "
+                 f"{len(self.skipped)} left unquantized, {len(self.copied_files)} files copied",
+                 f"  tensors: {_fmt_bytes(self.bytes_in)} -> {_fmt_bytes(self.bytes_out)} "
+                 f"in {self.num_shards} shard(s)"]
+        lines += [f"  unquantized {name}: {why}" for name, why in self.skipped.items()]
+        if self.unmapped_2d:
+            lines.append(f"  {len(self.unmapped_2d)} 2-D weight(s) of no known Linear copied unquantized")
+        lines += [f"  underflow {name}: {n} block(s) stored as zeros" for name, n in self.underflow_blocks.items()]
+        if self.used_heuristic:
+            lines.append("  linears found by the name heuristic (transformers could not map the architecture)")
+        lines.append(f"  wrote {self.dst}")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Item:
+    file: Path
+    name: str
+    nbytes: int
+    quantize: bool
+    out_nbytes: int
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in a size such as "2GB" (10^9), "512MiB" (2^20), "100KB", or an int."""
+    if isinstance(size, int):
+        value = size
+    else:
+        m = _SIZE_RE.fullmatch(str(size))
+        if not m:
+            raise ConversionError(f"bad size {size!r} (examples: 2GB, 500MB, 4GiB)")
+        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    if value <= 0:
+        raise ConversionError(f"size must be positive, got {size!r}")
+    return value
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _note(msg: str) -> None:
+    print(f"vllm_kbit.convert: {msg}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- reading SRC
+
+def _read_config(src: Path) -> dict:
+    if not src.is_dir():
+        raise ConversionError(f"SRC {src} is not a folder" if src.exists() else f"SRC {src} does not exist")
+    path = src / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{src} has no config.json (expected a Hugging Face model folder)")
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConversionError(f"{path}: invalid JSON ({e})") from None
+    if "quantization_config" in config:
+        method = config["quantization_config"].get("quant_method", "?")
+        raise ConversionError(f"{src} is already quantized (quantization_config with quant_method "
+                              f"{method!r}); convert the unquantized checkpoint")
+    return config
+
+
+def _weight_files(src: Path) -> list[Path]:
+    index = src / INDEX_NAME
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise ConversionError(f"{index}: not a safetensors index ({e})") from None
+        missing = [n for n in names if not (src / n).is_file()]
+        if missing:
+            raise ConversionError(f"{index} lists missing file(s): {', '.join(missing)}")
+        return [src / n for n in names]
+    if (src / "model.safetensors").is_file():
+        return [src / "model.safetensors"]
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in src.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+        hint = f" (found {', '.join(others)}: convert them to safetensors first)" if others else ""
+        raise ConversionError(f"{src} has no *.safetensors weights{hint}")
+    return files
+
+
+def _header(path: Path) -> dict:
+    """The safetensors header: {name: {"dtype", "shape", "data_offsets"}} (cheap: no tensor data)."""
+    with open(path, "rb") as f:
+        try:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n)) if n < 100_000_000 else None  # the format's own cap
+        except (struct.error, ValueError):
+            header = None
+    if not isinstance(header, dict):
+        raise ConversionError(f"{path} is not a safetensors file")
+    header.pop("__metadata__", None)
+    return header
+
+
+# ----------------------------------------------------------------------------- which tensors
+
+def _meta_model(src: Path):
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(src)
+        with torch.device("meta"):
+            for arch in getattr(cfg, "architectures", None) or []:
+                cls = getattr(transformers, arch, None)
+                if cls is not None:
+                    return cls(cfg)
+            return transformers.AutoModelForCausalLM.from_config(cfg)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _heuristic_linears(shapes: dict[str, list[int]]) -> dict[str, None]:
+    """Module names of 2-D `*.weight` tensors inside numbered decoder blocks (`.layers.N.`,
+    `.h.N.`, `.blocks.N.`) that are not embeddings. Assumes [out, in] weights (not GPT-2's Conv1D)."""
+    return {name[:-len(".weight")]: None for name, shape in shapes.items()
+            if name.endswith(".weight") and len(shape) == 2 and _LAYER_RE.search(name)
+            and "embed" not in name}
+
+
+def _find_linears(src: Path, shapes: dict[str, list[int]]) -> tuple[dict, bool]:
+    """{module name: module or None} of the Linears whose weight is in the checkpoint, and
+    whether the name heuristic was used."""
+    from compressed_tensors.utils import match_named_modules
+
+    try:
+        model = _meta_model(src)
+    except Exception as e:  # any failure to build the architecture means: use the heuristic
+        why = f"transformers cannot build the architecture ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+    else:
+        linears = {name: module for name, module in match_named_modules(model, ["Linear"])
+                   if f"{name}.weight" in shapes}
+        if linears:
+            return linears, False
+        why = "none of the architecture's Linear weights are named as in the checkpoint"
+    _note(f"{why}; picking linears by name instead: 2-D '*.weight' tensors inside "
+          f"'.layers.N.' / '.h.N.' / '.blocks.N.' that are not embeddings")
+    return _heuristic_linears(shapes), True
+
+
+def _matching_pattern(name: str, module, patterns: list[str]) -> str | None:
+    from compressed_tensors.utils import is_match, match_name
+
+    for p in patterns:
+        if is_match(name, module, p) if module is not None else match_name(name, p):
+            return p
+    return None
+
+
+def _select(linears: dict, shapes: dict, user_ignore: list[str], report: ConversionReport) -> set[str]:
+    """Weight names to quantize; fills report.skipped and report.ignore (the config's list)."""
+    patterns = list(dict.fromkeys([*DEFAULT_IGNORE, *user_ignore]))
+    used, auto_ignore, selected = set(), [], set()
+    for mod_name, module in linears.items():
+        wname = f"{mod_name}.weight"
+        shape = shapes[wname]
+        pattern = _matching_pattern(mod_name, module, patterns)
+        if pattern is not None:
+            used.add(pattern)
+            report.skipped[wname] = f"ignored (matches {pattern!r})"
+        elif len(shape) != 2 or shape[1] % kf.BLOCK_SIZE:
+            why = (f"in_features {shape[1]} is not a multiple of {kf.BLOCK_SIZE}" if len(shape) == 2
+                   else f"weight is not 2-D (shape {shape})")
+            report.skipped[wname] = why
+            auto_ignore.append(mod_name)  # exact name, so vLLM keeps this layer unquantized too
+            _note(f"{mod_name} left unquantized: {why}")
+        else:
+            selected.add(wname)
+    for p in user_ignore:
+        if p not in used:
+            _note(f"ignore pattern {p!r} matches no linear layer")
+    report.ignore = list(dict.fromkeys([*patterns, *auto_ignore]))
+    return selected
+
+
+# ----------------------------------------------------------------------------- writing DST
+
+def _copy_other_files(src: Path, out: Path, report: ConversionReport) -> None:
+    """Tokenizer, generation config, chat templates, README...: every top-level file of SRC
+    except weights, weight indexes and config.json (rewritten)."""
+    for p in sorted(src.iterdir()):
+        if p.name.startswith("."):
+            continue
+        if not p.is_file() or p.name == "config.json":
+            if p.is_dir():
+                report.not_copied.append(p.name + "/")
+            continue
+        if p.suffix in _WEIGHT_SUFFIXES or _WEIGHT_INDEXES.fullmatch(p.name):
+            report.not_copied.append(p.name)
+            continue
+        shutil.copy2(p, out / p.name)  # follows symlinks (HF cache snapshots)
+        report.copied_files.append(p.name)
+
+
+def _install(tmp: Path, dst: Path) -> None:
+    """Move the finished `tmp` to `dst`; an existing `dst` is removed only once `tmp` is in place."""
+    if not (dst.exists() or dst.is_symlink()):
+        os.replace(tmp, dst)
+        return
+    old = dst.parent / f".{dst.name}.kbit-old-{uuid.uuid4().hex[:8]}"
+    os.replace(dst, old)
+    try:
+        os.replace(tmp, dst)
+    except BaseException:
+        os.replace(old, dst)
+        raise
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
+
+
+def _write_shards(items: list[_Item], out: Path, bits: int, codebook: torch.Tensor,
+                  device: torch.device, shard_limit: int, progress: bool,
+                  report: ConversionReport) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from vllm_kbit import ops
+
+    # Sizes are known from the headers, so shards are planned first and get final names.
+    shards: list[list[_Item]] = [[]]
+    size = 0
+    for it in items:
+        if shards[-1] and size + it.out_nbytes > shard_limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(it)
+        size += it.out_nbytes
+    n = len(shards)
+    weight_map = {}
+    with tqdm(total=len(items), unit="tensor", desc="kbit convert", disable=not progress,
+              file=sys.stderr) as bar:
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+            tensors = {}
+            for it in shard:
+                # One open per tensor keeps only that tensor's pages of SRC mapped.
+                with safe_open(str(it.file), framework="pt") as f:
+                    t = f.get_tensor(it.name)
+                if it.quantize:
+                    prefix = it.name[:-len(".weight")]
+                    q, a, underflow = ops.quantize(t.to(device), bits, codebook, it.name)
+                    tensors[f"{prefix}.qweight"], tensors[f"{prefix}.absmax"] = q.cpu(), a.cpu()
+                    if underflow:
+                        report.underflow_blocks[it.name] = underflow
+                else:
+                    tensors[it.name] = t
+                del t
+                bar.update(1)
+            save_file(tensors, str(out / fname), metadata={"format": "pt"})
+            os.chmod(out / fname, 0o666 & ~_umask())  # safetensors writes 0600
+            weight_map.update(dict.fromkeys(tensors, fname))
+            report.bytes_out += sum(t.numel() * t.element_size() for t in tensors.values())
+            del tensors
+    index = {"metadata": {"total_size": report.bytes_out}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    report.num_shards = n
+
+
+# ----------------------------------------------------------------------------- API
+
+def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = False,
+            device: str | torch.device | None = None, max_shard_size: int | str = "2GB",
+            progress: bool = True) -> ConversionReport:
+    """Write a kbit checkpoint of the HF safetensors model folder `src` to `dst` (see the module
+    docstring). `ignore`: extra compressed-tensors patterns of modules to keep unquantized;
+    `codebook`: 2^bits ascending floats in [-1, 1] (default format.normal_float_codebook);
+    `device`: where to quantize (default cuda when available). Raises ConversionError or
+    KbitFormatError (naming the tensor) on bad input, leaving nothing behind."""
+    kf.check_bits(bits)
+    cb = kf.normal_float_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
+    shard_limit = parse_size(max_shard_size)
+    user_ignore = [ignore] if isinstance(ignore, str) else list(ignore)
+    for p in user_ignore:
+        if p.startswith("re:"):
+            try:
+                re.compile(p[3:])
+            except re.error as e:
+                raise ConversionError(f"bad ignore regex {p!r}: {e}") from None
+    try:
+        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, ValueError) as e:
+        raise ConversionError(f"bad device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConversionError("device cuda requested but CUDA is not available")
+
+    src, dst = Path(src), Path(dst)
+    config = _read_config(src)
+    files = _weight_files(src)
+    if dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents:
+        raise ConversionError(f"DST {dst} would replace SRC {src}; choose another DST")
+    if (dst.exists() or dst.is_symlink()) and not overwrite:
+        raise ConversionError(f"DST {dst} already exists; use --overwrite (overwrite=True) to replace it")
+
+    report = ConversionReport(src=str(src), dst=str(dst), bits=bits)
+    headers = {f: _header(f) for f in files}
+    shapes = {}
+    for f, h in headers.items():
+        for name, info in h.items():
+            if name in shapes:
+                raise ConversionError(f"tensor {name} appears in more than one safetensors file")
+            shapes[name] = info["shape"]
+    linears, report.used_heuristic = _find_linears(src, shapes)
+    to_quantize = _select(linears, shapes, user_ignore, report)
+    report.unmapped_2d = [n for n, s in shapes.items() if len(s) == 2 and n.endswith(".weight")
+                          and n[:-len(".weight")] not in linears and "embed" not in n]
+
+    items = []
+    for f, h in headers.items():
+        for name, info in sorted(h.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            start, end = info["data_offsets"]
+            if name in to_quantize:
+                n, k = info["shape"]
+                items.append(_Item(f, name, end - start, True, n * (k // kf.BLOCK_SIZE) * (4 * bits + 1)))
+            else:
+                items.append(_Item(f, name, end - start, False, end - start))
+    report.bytes_in = sum(it.nbytes for it in items)
+
+    config["quantization_config"] = {
+        "quant_method": "kbit", "bits": bits, "block_size": kf.BLOCK_SIZE, "absmax_format": "e4m4",
+        "codebook": [float(v) for v in cb], "ignore": report.ignore}
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.kbit-tmp-", dir=dst.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would make DST private
+        _write_shards(items, tmp, bits, cb, dev, shard_limit, progress, report)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _copy_other_files(src, tmp, report)
+        _install(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    report.quantized = [it.name for it in items if it.quantize]
+    return report
+
+
+# ----------------------------------------------------------------------------- CLI
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + message, exit status from main()
+        raise ConversionError(f"{message} (see --help)")
+
+
+def _load_codebook(arg: str):
+    path = Path(arg)
+    try:
+        value = json.loads(path.read_text() if path.is_file() else arg)
+    except ValueError as e:
+        raise ConversionError(f"--codebook: neither a JSON file nor a JSON list ({e})") from None
+    if isinstance(value, dict):
+        value = value.get("codebook", value.get("quantization_config", {}).get("codebook"))
+    if not isinstance(value, list):
+        raise ConversionError("--codebook: expected a JSON list of floats (or an object with 'codebook')")
+    return value
+
+
+def main(argv=None) -> int:
+    parser = _Parser(prog="python -m vllm_kbit.convert",
+                     description="Convert a Hugging Face safetensors model folder to a kbit checkpoint.")
+    parser.add_argument("src", metavar="SRC", help="HF model folder (config.json + *.safetensors)")
+    parser.add_argument("dst", metavar="DST", help="output folder (must not exist unless --overwrite)")
+    parser.add_argument("--bits", type=int, required=True, help="bits per weight: 2, 3, 4 or 5")
+    parser.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
+                        help="module to keep unquantized: exact name or 're:REGEX' (repeatable); "
+                             f"always ignored: {', '.join(DEFAULT_IGNORE)}")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")
+    parser.add_argument("--device", default=None, help="quantize on cpu or cuda (default: cuda if available)")
+    parser.add_argument("--codebook", default=None, metavar="JSON_FILE_OR_LIST",
+                        help="custom codebook: 2^bits ascending floats in [-1, 1]")
+    parser.add_argument("--max-shard-size", default="2GB", help="output shard size (default 2GB)")
+    try:
+        args = parser.parse_args(argv)
+        codebook = _load_codebook(args.codebook) if args.codebook is not None else None
+        report = convert(args.src, args.dst, args.bits, ignore=args.ignore, codebook=codebook,
+                         overwrite=args.overwrite, device=args.device, max_shard_size=args.max_shard_size)
+    except (KbitFormatError, ConversionError, OSError) as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted (nothing written)", file=sys.stderr)
+        return 130
+    print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

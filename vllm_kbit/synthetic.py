@@ -1,0 +1,122 @@
+"""Random-init Hugging Face Llama checkpoints (model + tokenizer) for tests, examples and benchmarks.
+
+`make_random_llama` writes a folder that `transformers`, vLLM and `vllm_kbit.convert` load like
+a downloaded one: config.json, generation_config.json, safetensors weights (sharded with an
+index json when `max_shard_size` is small), and a byte-level BPE tokenizer trained on the spot
+(tokenizer.json + tokenizer_config.json, loadable as `PreTrainedTokenizerFast`).
+
+Real shapes work too (Llama-3-8B: hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 kv
+heads, vocab 128256): the model is built on the meta device and each tensor is materialized
+directly in `dtype`, so peak host memory is about one copy of the weights in `dtype`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# Bytes-level BPE needs the 256 byte tokens plus the specials before any merge.
+_SPECIALS = ("<unk>", "<s>", "</s>")
+MIN_VOCAB_SIZE = 256 + len(_SPECIALS)
+
+_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# Training text for the tokenizer: enough variety for a few hundred merges.
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+Language models predict the next token from the tokens that came before it. Quantization stores
+each weight with fewer bits: a codebook of two to the k values, one scale per block of thirty-two
+weights, and the index of the nearest codebook entry for every weight. The scale is written as an
+eight-bit float with four exponent bits and four mantissa bits.
+Once upon a time, in a small village by the sea, there lived an old fisherman and his wife.
+Every morning he rowed out past the harbour wall, and every evening he came home with the tide.
+def main():
+    for i in range(10):
+        print(f"step {i}: loss={1.0 / (i + 1):.3f}")
+    return 0
+Hello, world! How are you today? I am fine, thank you. What time is it? It is half past three.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 16 32 64 128 256 512 1024 2048 4096 8192 16384 32768 65536.
+The capital of France is Paris. The capital of Japan is Tokyo. Water boils at one hundred degrees.
+Matrix multiplication, attention, feed-forward layers, normalization, embeddings and softmax.
+"""
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
+    # Prepend BOS like the Llama tokenizers do.
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return tok
+
+
+def make_random_llama(dst, *, hidden_size: int = 256, intermediate_size: int = 512,
+                      num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                      vocab_size: int = 512, max_position_embeddings: int = 2048,
+                      dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                      max_shard_size: int | str = "5GB", tie_word_embeddings: bool = False,
+                      init_std: float = 0.02) -> Path:
+    """Write a random-init `LlamaForCausalLM` checkpoint with a matching tokenizer to `dst`.
+
+    Weights ~ N(0, init_std) (norm weights 1), deterministic in `seed`. The tokenizer is trained
+    with at most `vocab_size` tokens (fewer when the built-in text runs out of merges); its
+    <s>/</s> ids are the model's bos/eos. Returns `dst` as a Path."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE} (byte-level tokenizer), got {vocab_size}")
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+
+    tok = _train_tokenizer(vocab_size)
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    config = LlamaConfig(
+        hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=bos, eos_token_id=eos, initializer_range=init_std, dtype=dtype)
+
+    # Meta first, then one allocation per tensor in `dtype`: no float32 copy of an 8B model.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype).to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied weights are listed once
+            if p.dim() >= 2:
+                p.normal_(0.0, init_std, generator=gen)
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.zero_()
+    # to_empty left the (non-persistent, unsaved) rotary buffers uninitialised; rebuild them
+    # so the returned folder is the only thing that matters and the in-memory model is sane too.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    if tie_word_embeddings:
+        model.tie_weights()
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, do_sample=False)
+    model.save_pretrained(dst, max_shard_size=max_shard_size)
+    del model
+
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        model_max_length=max_position_embeddings, chat_template=_CHAT_TEMPLATE,
+    ).save_pretrained(dst)
+    # transformers 5 writes its own class name ("TokenizersBackend"); the portable name loads
+    # with transformers 4.x as well as 5.x.
+    tc_path = dst / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc_path.write_text(json.dumps(tc, indent=2) + "\n")
+    return dst
