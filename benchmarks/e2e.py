@@ -1,0 +1,245 @@
+"""End-to-end vLLM speed on a Llama-3-8B-shaped model: bf16, GPTQ 4-bit (vLLM picks Marlin or
+Machete), and kbit K = 2..5, each in its own engine process, same method for all:
+
+  latency     one batch of bs = 1 and bs = 16, 128 prompt tokens -> 256 generated (ignore_eos),
+              as `vllm bench latency` does (random token ids, median of --iters after a warm-up);
+  throughput  --num-prompts prompts of 512 -> 256 tokens, submitted at once (`vllm bench throughput`).
+
+    python3 benchmarks/e2e.py --workdir /tmp/e2e [--configs bf16,gptq4,kbit4] [--num-prompts 1000]
+
+Weights: bf16 and kbit use --load-format dummy (kbit fills random *valid* kbit weights); GPTQ
+gets a real checkpoint with valid packed 4-bit weights (round-to-nearest, group 128, written
+here), because dummy loading leaves integer tensors uninitialised. Results: JSON + markdown
+table + PNG in benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                 vocab_size=128256)
+LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
+                  vocab_size=128256)
+
+
+def write_model_dir(dst: Path, shape: dict) -> Path:
+    """config.json + tokenizer only: enough for --load-format dummy."""
+    from transformers import LlamaConfig
+
+    from vllm_kbit.synthetic import make_random_llama
+    if (dst / "config.json").exists():
+        return dst
+    tiny = make_random_llama(dst.parent / (dst.name + "-tok"), hidden_size=64, intermediate_size=128,
+                             num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=512)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in tiny.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
+            (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tiny / "config.json").read_text())
+    LlamaConfig(hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
+                num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_heads"],
+                num_key_value_heads=shape["num_kv_heads"], vocab_size=shape["vocab_size"],
+                max_position_embeddings=4096, bos_token_id=cfg["bos_token_id"], eos_token_id=cfg["eos_token_id"],
+                rope_theta=500000.0, dtype="bfloat16").save_pretrained(dst)
+    return dst
+
+
+def write_gptq_dir(base: Path, dst: Path, group: int = 128) -> Path:
+    """A GPTQ (AutoGPTQ v1, sym, 4-bit, g128, no act-order) checkpoint with valid packed weights:
+    round-to-nearest of N(0, 0.02) weights, generated layer by layer on the GPU."""
+    from safetensors.torch import save_file
+    if (dst / "config.json").exists():
+        return dst
+    dst.mkdir(parents=True)
+    cfg = json.loads((base / "config.json").read_text())
+    h, inter, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+              "self_attn.o_proj": (h, h), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+              "mlp.down_proj": (h, inter)}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shift = torch.arange(0, 32, 4, device="cuda", dtype=torch.int32)
+    index, shard = {}, {}
+    for layer in range(L):
+        for name, (n, k) in shapes.items():
+            w = torch.randn(k, n, device="cuda", generator=g) * 0.02          # GPTQ stores W^T [K, N]
+            s = w.reshape(k // group, group, n).abs().amax(1) / 7.5
+            q = torch.clamp(torch.round(w / s.repeat_interleave(group, 0)) + 8, 0, 15).to(torch.int32)
+            packed = (q.reshape(k // 8, 8, n) << shift.view(1, 8, 1)).sum(1, dtype=torch.int32)
+            p = f"model.layers.{layer}.{name}"
+            shard[p + ".qweight"] = packed.cpu()
+            shard[p + ".scales"] = s.half().cpu()
+            shard[p + ".qzeros"] = torch.full((k // group, n // 8), 0x77777777, dtype=torch.int32)  # zero 8, stored -1
+            shard[p + ".g_idx"] = torch.arange(k, dtype=torch.int32) // group
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            shard[f"model.layers.{layer}.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        if (layer + 1) % 8 == 0 or layer == L - 1:
+            fname = f"model-{layer:05d}.safetensors"
+            save_file(shard, dst / fname, metadata={"format": "pt"})
+            index.update({t: fname for t in shard})
+            shard = {}
+    emb = (torch.randn(cfg["vocab_size"], h, device="cuda", generator=g) * 0.02).bfloat16().cpu()
+    save_file({"model.embed_tokens.weight": emb, "lm_head.weight": emb.clone(),
+               "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}, dst / "model-emb.safetensors",
+              metadata={"format": "pt"})
+    index.update({t: "model-emb.safetensors" for t in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                                  "sym": True, "checkpoint_format": "gptq"}
+    cfg["dtype"] = "float16"
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in base.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def worker(args) -> None:
+    """One engine: latency at bs 1 and 16, then throughput. Prints one JSON line."""
+    import numpy as np
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(model=args.model, max_model_len=1024, gpu_memory_utilization=0.9, seed=0,
+              enable_prefix_caching=False, max_num_seqs=256)
+    if args.quantization:
+        kw["quantization"] = args.quantization
+    if args.bits:  # a kbit config on a plain model folder, the vLLM way: through hf_overrides
+        kw["hf_overrides"] = {"quantization_config": {"quant_method": "kbit", "bits": args.bits}}
+    if args.load_format:
+        kw["load_format"] = args.load_format
+    if args.dtype:
+        kw["dtype"] = args.dtype
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    startup = time.perf_counter() - t0
+    vc = llm.llm_engine.vllm_config
+    rng = np.random.default_rng(0)
+
+    def prompts(n, length):
+        return [TokensPrompt(prompt_token_ids=rng.integers(0, 10000, length).tolist()) for _ in range(n)]
+
+    out = {"quantization": vc.model_config.quantization, "startup_s": startup,
+           "kv_cache_tokens": (vc.cache_config.num_gpu_blocks or 0) * vc.cache_config.block_size,
+           "gpu_mem_used_gib": (torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]) / 2**30}
+    lat_sp = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0.0)
+    for bs in (1, 16):
+        batch = prompts(bs, 128)
+        llm.generate(batch, lat_sp, use_tqdm=False)  # warm-up
+        times = []
+        for _ in range(args.iters):
+            t = time.perf_counter()
+            llm.generate(batch, lat_sp, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+        out[f"latency_bs{bs}_s"] = float(np.median(times))
+    if args.num_prompts:
+        batch = prompts(args.num_prompts, 512)
+        sp = SamplingParams(max_tokens=256, ignore_eos=True, temperature=1.0)
+        t = time.perf_counter()
+        llm.generate(batch, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        out["throughput_req_s"] = args.num_prompts / dt
+        out["throughput_out_tok_s"] = args.num_prompts * 256 / dt
+    print("E2E_RESULT " + json.dumps(out), flush=True)
+
+
+CONFIGS = {
+    "bf16": dict(load_format="dummy"),
+    "gptq4": dict(gptq=True),
+    **{f"kbit{b}": dict(load_format="dummy", quantization="kbit", bits=b) for b in (2, 3, 4, 5)},
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/kbit-e2e"))
+    ap.add_argument("--configs", default="bf16,gptq4,kbit2,kbit3,kbit4,kbit5")
+    ap.add_argument("--shape", choices=["8b", "70b"], default="8b")
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--quantization", help=argparse.SUPPRESS)
+    ap.add_argument("--load-format", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", help=argparse.SUPPRESS)
+    ap.add_argument("--bits", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    base = write_model_dir(args.workdir / f"llama-{args.shape}", LLAMA3_8B if args.shape == "8b" else LLAMA3_70B)
+    results = {}
+    for name in args.configs.split(","):
+        c = CONFIGS[name]
+        model, extra = base, []
+        if c.get("gptq"):
+            model, extra = write_gptq_dir(base, args.workdir / f"llama-{args.shape}-gptq4"), ["--dtype", "float16"]
+        if c.get("load_format"):
+            extra += ["--load-format", c["load_format"]]
+        if c.get("quantization"):
+            extra += ["--quantization", c["quantization"], "--bits", str(c["bits"])]
+        cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--iters", str(args.iters),
+               "--num-prompts", str(args.num_prompts), *extra]
+        print("$", " ".join(cmd), flush=True)
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((l for l in p.stdout.splitlines() if l.startswith("E2E_RESULT ")), None)
+        if line is None:
+            print(p.stdout[-3000:], p.stderr[-6000:])
+            results[name] = {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "no result"}
+            continue
+        results[name] = json.loads(line[len("E2E_RESULT "):])
+        kernel = [l for l in p.stdout.splitlines() + p.stderr.splitlines() if "Using" in l and "Kernel" in l]
+        results[name]["kernel_log"] = kernel[:2]
+        print(name, results[name], flush=True)
+    report(args, results)
+
+
+def report(args, results) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
+             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                      cwd=HERE).stdout.strip(),
+             "command": " ".join(sys.argv), "shape": args.shape}
+    tag = f"e2e_{args.shape}"
+    (args.out / f"{tag}.json").write_text(json.dumps({**stamp, "results": results}, indent=2))
+    rows = ["| config | bs=1 latency (s) | bs=16 latency (s) | throughput (req/s) | KV tokens | GPU mem (GiB) |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in results.items():
+        if "error" in r:
+            rows.append(f"| {name} | error: {r['error'][:80]} | | | | |")
+            continue
+        rows.append(f"| {name} | {r['latency_bs1_s']:.3f} | {r['latency_bs16_s']:.3f} | "
+                    f"{r.get('throughput_req_s', float('nan')):.1f} | {r['kv_cache_tokens']} | {r['gpu_mem_used_gib']:.1f} |")
+    md = f"{stamp['gpu']}, {stamp['date']}, commit {stamp['commit']}\n\n`{stamp['command']}`\n\n" + "\n".join(rows) + "\n"
+    (args.out / f"{tag}.md").write_text(md)
+    print(md)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        ok = {k: v for k, v in results.items() if "error" not in v}
+        fig, ax = plt.subplots(1, 3, figsize=(12, 3.5))
+        for a, key, title in zip(ax, ("latency_bs1_s", "latency_bs16_s", "throughput_req_s"),
+                                 ("bs=1 latency (s)", "bs=16 latency (s)", "throughput (req/s)")):
+            a.bar(list(ok), [v.get(key, 0) for v in ok.values()])
+            a.set_title(title)
+            a.tick_params(axis="x", rotation=45)
+        fig.suptitle(f"vLLM e2e, Llama-3-{args.shape.upper()} shape, {stamp['gpu']}")
+        fig.tight_layout()
+        fig.savefig(args.out / f"{tag}.png", dpi=80)
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()
