@@ -102,3 +102,13 @@ def test_fused_kernels_equal_reference_path(models):
     agreement, mean_diff = compare(ref, got)
     print(f"kernels vs reference path: top-1 agreement {agreement:.3f}, mean |dlogprob| {mean_diff:.4f}")
     assert agreement >= 0.95 and mean_diff < 0.02
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_2_equals_1(models):
+    kbit, _ = models[4]
+    one = run(kbit, "tp1", "--eager")
+    two = run(kbit, "tp2", "--eager", "--tp", "2")
+    agreement, mean_diff = compare(one, two)
+    print(f"TP=2 vs TP=1: top-1 agreement {agreement:.3f}, mean |dlogprob| {mean_diff:.4f}")
+    assert agreement >= 0.95 and mean_diff < 0.02

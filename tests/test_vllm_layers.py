@@ -222,3 +222,41 @@ def test_op_bias_fake_and_compile(bits):
     for m in (1, 5):
         xm = torch.randn(m, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
         torch.testing.assert_close(compiled(xm), ops.gemm(xm, *args))
+
+
+@pytest.mark.parametrize("kind", ["qkv", "row"])
+def test_online_quantization_of_a_float_checkpoint(kind):
+    """`--quantization kbit` on a model without a quantization_config: vLLM builds KbitConfig()
+    (K=4), loads the float `weight` through its loaders and the plugin quantizes after loading."""
+    cfg = KbitConfig()
+    cfg.packed_modules_mapping = PACKED
+    gen = torch.Generator().manual_seed(11)
+    k = HIDDEN if kind != "row" else INTER
+    parts = ({"q": HEADS * HEAD, "k": KV_HEADS * HEAD, "v": KV_HEADS * HEAD} if kind == "qkv" else {None: HIDDEN})
+    floats = {s: torch.randn(rows, k, generator=gen) * 0.05 for s, rows in parts.items()}
+    torch.set_default_device(DEVICE)
+    try:
+        layer = (QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, bias=False, quant_config=cfg, params_dtype=torch.bfloat16,
+                                   prefix="model.layers.0.self_attn.qkv_proj") if kind == "qkv" else
+                 RowParallelLinear(INTER, HIDDEN, bias=False, quant_config=cfg, reduce_results=False,
+                                   params_dtype=torch.bfloat16, prefix="model.layers.0.mlp.down_proj"))
+        for s, w in floats.items():
+            layer.weight.weight_loader(layer.weight, w.to(torch.bfloat16), *(() if s is None else (s,)))
+        layer.quant_method.process_weights_after_loading(layer)
+    finally:
+        torch.set_default_device("cpu")
+    assert not hasattr(layer, "weight") and layer.qweight.dtype == torch.int32
+    w_hat = torch.cat([kf.dequantize(*kf.quantize(w.to(torch.bfloat16), 4), 4, dtype=torch.float64)
+                       for w in floats.values()])
+    x = torch.randn(4, k, generator=gen).to(torch.bfloat16)
+    assert rel_err(forward(layer, x), x.double() @ w_hat.t()) < 1e-2
+
+
+def test_dummy_load_fills_valid_kbit_weights():
+    vc = VllmConfig()
+    vc.load_config.load_format = "dummy"
+    with set_current_vllm_config(vc):
+        layer = build("gate_up", 3, torch.bfloat16, {})
+    x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    y = forward(layer, x)
+    assert torch.isfinite(y).all() and y.abs().max() > 0

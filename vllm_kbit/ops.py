@@ -86,7 +86,7 @@ def repack(qweight: torch.Tensor, absmax: torch.Tensor, bits: int) -> tuple[torc
 def gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
          bits: int, n: int, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [..., k]; the GEMV / tensor-core choice is made inside."""
-    y = torch.ops.kbit.gemm(x.reshape(-1, k), packed, absmax, codebook, bits, n, k, bias)
+    y = torch.ops.kbit.gemm(x.reshape(-1, k).contiguous(), packed, absmax, codebook, bits, n, k, bias)
     return y.reshape(*x.shape[:-1], n)
 
 
