@@ -24,7 +24,8 @@ def cuda_extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu") + glob.glob("csrc/generated/*.cu"))
     if not sources:
         return [], {}
-    nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr",
+    # no -std flag: torch's BuildExtension adds the standard its headers need (C++17 or 20)
+    nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr",
             "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
             "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
             "--threads", "4"]
@@ -32,7 +33,7 @@ def cuda_extension():
         name="vllm_kbit._C",
         sources=sources,
         include_dirs=[os.path.join(ROOT, "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc},
+        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc},
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 

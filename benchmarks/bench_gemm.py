@@ -1,0 +1,321 @@
+"""Benchmark of the kbit GEMM (torch.ops.kbit.gemm) against cuBLAS fp16 and, when vLLM is
+importable in the same process, Marlin W4 (g128, g32) and Machete W4 g128.
+
+Method (see /work/.library/device/METHOD.md): every timed call is preceded by a write of a
+512 MiB buffer (flushes the 50 MB L2, and its ~0.15 ms hides the host launch latency of the
+call that follows); CUDA events around the call; the median of many calls. Reported per
+(shape, M, method): microseconds, GB/s of the bytes that must move (weights incl. scales /
+absmax, x, y), % of the device-to-device copy bandwidth measured in the same run, and the
+time ratio of kbit to each baseline. Writes a JSON and a PNG stamped with GPU, date, commit
+and command into --out, and prints a short table last.
+
+  python benchmarks/bench_gemm.py                 # everything
+  python benchmarks/bench_gemm.py --quick         # two shapes, M <= 64
+  python benchmarks/bench_gemm.py --path gemv     # force a kbit path (auto|gemv|mma|dequant)
+  python benchmarks/bench_gemm.py --sweep-splits  # GEMV split-K factors 1..8 (tuning)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]  # N x K
+QUICK_SHAPES = [(4096, 4096), (57344, 8192)]
+MS = [1, 4, 16, 64, 256, 1024, 4096]
+PATHS = {"auto": 0, "gemv": 1, "mma": 2, "dequant": 3}
+DT = torch.float16
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+class Timer:
+    def __init__(self, flush_mib=512):
+        self.flush = torch.empty(flush_mib << 20, dtype=torch.uint8, device="cuda")
+
+    def __call__(self, fn, min_reps=10, max_reps=60, budget_s=0.25):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        # estimate, then take as many reps as the budget allows
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.flush.zero_()
+        s.record(); fn(); e.record(); torch.cuda.synchronize()
+        est = max(s.elapsed_time(e) * 1e-3 + 2e-4, 1e-6)
+        reps = int(min(max_reps, max(min_reps, budget_s / est)))
+        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for a, b in evs:
+            self.flush.zero_()
+            a.record(); fn(); b.record()
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) * 1e3 for a, b in evs)  # microseconds
+
+
+def copy_bandwidth(timer):
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = timer(lambda: dst.copy_(src), min_reps=10, max_reps=20)
+    del src, dst
+    return 2 * n / (us * 1e-6) / 1e9  # GB/s, read + write
+
+
+# ------------------------------------------------------------------------------ methods
+
+def kbit_method(n, k, bits, path, splits=0):
+    from vllm_kbit import format as kf
+    from vllm_kbit import layout as kl
+    g = torch.Generator(device="cuda").manual_seed(bits)
+    packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (kl.packed_numel(n, k, bits),), generator=g, device="cuda",
+                           dtype=torch.int32)
+    ap = torch.randint(0x30, 0x90, (kl.absmax_numel(n, k),), generator=g, device="cuda",
+                       dtype=torch.int32).to(torch.uint8)
+    cb = kf.normal_float_codebook(bits, "cuda")
+    wbytes = packed.numel() * 4 + ap.numel()
+    def run(x, path=path, splits=splits):
+        if path == 0 and splits == 0:
+            return torch.ops.kbit.gemm(x, packed, ap, cb, bits, n, k, None)
+        return torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, path, splits)
+    return run, wbytes
+
+
+def cublas_method(n, k):
+    w = torch.randn(n, k, dtype=DT, device="cuda")
+    return (lambda x: torch.matmul(x, w.t())), w.numel() * 2
+
+
+def marlin_method(n, k, group):
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+        marlin_make_empty_g_idx, marlin_make_workspace_new, marlin_permute_scales)
+    from vllm.scalar_type import scalar_types
+    try:
+        from vllm.model_executor.layers.quantization.utils.marlin_utils import should_use_atomic_add_reduce
+    except ImportError:
+        should_use_atomic_add_reduce = None
+    dev = torch.device("cuda", torch.cuda.current_device())
+    qt = scalar_types.uint4b8
+    q = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 8, n), dtype=torch.int32, device=dev)
+    empty = marlin_make_empty_g_idx(dev)
+    q_m = ops.gptq_marlin_repack(q, empty, k, n, qt.size_bits)
+    s_m = marlin_permute_scales(torch.rand(k // group, n, dtype=DT, device=dev) * 1e-2, k, n, group)
+    ws = marlin_make_workspace_new(dev)
+
+    def run(x):
+        m = x.shape[0]
+        atomic = bool(should_use_atomic_add_reduce(m=m, n=n, k=k, device=dev, dtype=DT)) \
+            if should_use_atomic_add_reduce else False
+        return ops.marlin_gemm(x, None, q_m, None, s_m, None, None, empty, empty, empty, ws, qt, size_m=m, size_n=n,
+                               size_k=k, is_k_full=True, use_atomic_add=atomic, use_fp32_reduce=True,
+                               is_zp_float=False)
+    return run, k * n // 2 + (k // group) * n * 2
+
+
+def machete_method(n, k, group=128):
+    from vllm import _custom_ops as ops
+    from vllm.scalar_type import scalar_types
+    qt = scalar_types.uint4b8
+    q = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")
+    b = ops.machete_prepack_B(q.t().contiguous().t(), a_type=DT, b_type=qt, group_scales_type=DT)
+    s = (torch.rand(k // group, n, dtype=DT, device="cuda") * 1e-2).contiguous()
+
+    def run(x):
+        return ops.machete_mm(a=x, b_q=b, b_type=qt, b_group_scales=s, b_group_zeros=None, b_group_size=group)
+    return run, k * n // 2 + (k // group) * n * 2
+
+
+# ------------------------------------------------------------------------------ main
+
+def git_commit():
+    """HEAD (+ "-dirty"), else $KBIT_GIT_COMMIT, else a hash of the kernel sources (the device
+    machine gets a copy of the working tree without .git)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=root,
+                                       stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD"], cwd=root, stderr=subprocess.DEVNULL)
+        return head + ("-dirty" if dirty else "")
+    except Exception:  # noqa: BLE001
+        pass
+    if os.environ.get("KBIT_GIT_COMMIT"):
+        return os.environ["KBIT_GIT_COMMIT"]
+    import glob
+    import hashlib
+    h = hashlib.sha1()
+    for f in sorted(glob.glob(os.path.join(root, "csrc", "**", "*.*"), recursive=True)):
+        with open(f, "rb") as fh:
+            h.update(fh.read())
+    return "src-" + h.hexdigest()[:10]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="two shapes, M <= 64")
+    ap.add_argument("--path", default="auto", choices=list(PATHS), help="force the kbit path")
+    ap.add_argument("--bits", default="2,3,4,5")
+    ap.add_argument("--ms", default=None, help="comma list of M (default: all)")
+    ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,57344x8192 (N x K)")
+    ap.add_argument("--no-baselines", action="store_true", help="kbit only")
+    ap.add_argument("--compare-paths", action="store_true", help="also time gemv and mma separately for M <= 16")
+    ap.add_argument("--sweep-splits", action="store_true", help="GEMV split-K factors 1..8 at M in {1, 16}")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args()
+
+    from vllm_kbit import ops  # noqa: F401  (schemas + extension)
+    assert ops.HAS_CUDA_KERNELS, "vllm_kbit._C is not built"
+    bits_list = [int(b) for b in args.bits.split(",")]
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ms = [int(m) for m in args.ms.split(",")] if args.ms else [m for m in MS if not args.quick or m <= 64]
+    gpu = torch.cuda.get_device_name()
+    timer = Timer()
+    copy_bw = copy_bandwidth(timer)
+    log(f"# {gpu}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs, torch {torch.__version__}; "
+        f"device-to-device copy: {copy_bw:.0f} GB/s")
+
+    have_vllm = False
+    if not args.no_baselines:
+        try:
+            import vllm._custom_ops  # noqa: F401
+            have_vllm = True
+        except Exception as e:  # noqa: BLE001
+            log(f"# vLLM not importable ({type(e).__name__}: {e}); Marlin / Machete skipped")
+
+    results = []
+
+    def record(n, k, m, method, us, wbytes, **extra):
+        moved = wbytes + m * k * 2 + m * n * 2
+        r = {"n": n, "k": k, "m": m, "method": method, "us": us, "gbs": moved / (us * 1e-6) / 1e9,
+             "pct_copy": 100.0 * moved / (us * 1e-6) / 1e9 / copy_bw, "bytes": moved, **extra}
+        results.append(r)
+        log(f"{n:>6}x{k:<6} M={m:<5} {method:<14} {us:10.1f} us {r['gbs']:8.0f} GB/s {r['pct_copy']:6.1f}%")
+        return r
+
+    if args.sweep_splits:
+        for n, k in shapes:
+            for bits in bits_list:
+                run, wb = kbit_method(n, k, bits, PATHS["gemv"], 0)
+                for m in (1, 16):
+                    x = torch.randn(m, k, dtype=DT, device="cuda")
+                    record(n, k, m, f"kbit{bits}-gemv-auto", timer(lambda: run(x)), wb, bits=bits, splits=0)
+                    for sp in range(1, 9):
+                        record(n, k, m, f"kbit{bits}-gemv-s{sp}", timer(lambda: run(x, 1, sp)), wb, bits=bits,
+                               splits=sp)
+                del run
+                torch.cuda.empty_cache()
+    else:
+        for n, k in shapes:
+            methods = []
+            for bits in bits_list:
+                methods.append((f"kbit{bits}", *kbit_method(n, k, bits, PATHS[args.path]), {"bits": bits}))
+                if args.compare_paths and args.path == "auto":
+                    methods.append((f"kbit{bits}-gemv", *kbit_method(n, k, bits, 1), {"bits": bits, "max_m": 16}))
+                    if torch.ops.kbit.has_mma():
+                        methods.append((f"kbit{bits}-mma", *kbit_method(n, k, bits, 2), {"bits": bits, "max_m": 16}))
+            if not args.no_baselines:
+                methods.append(("cublas-fp16", *cublas_method(n, k), {}))
+                if have_vllm:
+                    for name, make in (("marlin-g128", lambda: marlin_method(n, k, 128)),
+                                       ("marlin-g32", lambda: marlin_method(n, k, 32)),
+                                       ("machete-g128", lambda: machete_method(n, k, 128))):
+                        try:
+                            methods.append((name, *make(), {}))
+                        except Exception as e:  # noqa: BLE001
+                            log(f"# {name} unavailable for {n}x{k}: {type(e).__name__}: {e}")
+            for m in ms:
+                x = torch.randn(m, k, dtype=DT, device="cuda")
+                for name, run, wb, extra in methods:
+                    if m > extra.get("max_m", 1 << 30):
+                        continue
+                    try:
+                        us = timer(lambda: run(x))
+                    except Exception as e:  # noqa: BLE001
+                        log(f"# {name} failed at {n}x{k} M={m}: {type(e).__name__}: {e}")
+                        continue
+                    record(n, k, m, name, us, wb, **{kk: v for kk, v in extra.items() if kk != "max_m"})
+            del methods
+            torch.cuda.empty_cache()
+
+    # ratios of kbit to each baseline (time ratio: < 1 means kbit is faster)
+    base = {(r["n"], r["k"], r["m"], r["method"]): r["us"] for r in results}
+    for r in results:
+        if r["method"].startswith("kbit"):
+            for b in ("cublas-fp16", "marlin-g128", "marlin-g32", "machete-g128"):
+                if (r["n"], r["k"], r["m"], b) in base:
+                    r[f"ratio_{b}"] = r["us"] / base[(r["n"], r["k"], r["m"], b)]
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    meta = {"gpu": gpu, "date": stamp, "commit": git_commit(), "command": " ".join([sys.executable] + sys.argv),
+            "copy_bw_gbs": copy_bw, "torch": torch.__version__, "path": args.path,
+            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+    os.makedirs(args.out, exist_ok=True)
+    tag = f"bench_gemm_{gpu.replace(' ', '_')}_{stamp}"
+    with open(os.path.join(args.out, tag + ".json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    try:
+        plot(results, meta, os.path.join(args.out, tag + ".png"))
+    except Exception as e:  # noqa: BLE001
+        log(f"# plot skipped: {type(e).__name__}: {e}")
+    summary(results, meta)
+
+
+def plot(results, meta, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shapes = sorted({(r["n"], r["k"]) for r in results}, key=lambda s: s[0] * s[1])
+    cols = min(3, len(shapes))
+    rows = (len(shapes) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
+    for ax, (n, k) in zip(axes.flat, shapes):
+        rs = [r for r in results if (r["n"], r["k"]) == (n, k)]
+        for method in sorted({r["method"] for r in rs}):
+            pts = sorted((r["m"], r["us"]) for r in rs if r["method"] == method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=method,
+                    ls="-" if method.startswith("kbit") else "--")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"N={n} K={k}")
+        ax.set_xlabel("M")
+        ax.set_ylabel("us (median, L2 flushed)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"kbit GEMM — {meta['gpu']} — {meta['date']} — {meta['commit']} — copy {meta['copy_bw_gbs']:.0f} GB/s"
+                 f"\n{meta['command']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def summary(results, meta):
+    log("")
+    log(f"# summary ({meta['gpu']}, copy {meta['copy_bw_gbs']:.0f} GB/s): us [% copy BW] and kbit/Marlin-g128 time")
+    shapes = sorted({(r["n"], r["k"]) for r in results}, key=lambda s: s[0] * s[1])
+    methods = sorted({r["method"] for r in results})
+    for m in sorted({r["m"] for r in results}):
+        if m > 16 and any(r["m"] <= 16 for r in results) and m not in (64, 1024):
+            continue
+        log(f"M={m}")
+        log("  " + "method".ljust(14) + "".join(f"{n}x{k}".rjust(19) for n, k in shapes))
+        for meth in methods:
+            cells = []
+            for n, k in shapes:
+                r = next((r for r in results if (r["n"], r["k"], r["m"], r["method"]) == (n, k, m, meth)), None)
+                if r is None:
+                    cells.append("-".rjust(19))
+                else:
+                    ratio = f" x{r['ratio_marlin-g128']:.2f}" if "ratio_marlin-g128" in r else ""
+                    cells.append(f"{r['us']:.1f} [{r['pct_copy']:.0f}%]{ratio}".rjust(19))
+            log("  " + meth.ljust(14) + "".join(cells))
+
+
+if __name__ == "__main__":
+    main()

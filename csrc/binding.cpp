@@ -1,0 +1,352 @@
+// The one torch binding of the kbit kernels: checks, allocation with the torch allocator,
+// launch on the current stream, launch-error check. Schemas of kbit::repack / gemm / quantize
+// are defined in Python (vllm_kbit/ops.py); this file registers their CUDA kernels and adds a
+// few C++-only ops for tests and benchmarks (TORCH_LIBRARY_FRAGMENT below).
+//
+// gemm picks its path from M inside the op (GEMV for M <= gemv_max_m(bits), else the
+// tensor-core kernel), with no host sync and a grid that depends on shapes only, so it can be
+// captured in a CUDA graph and is opaque to torch.compile.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+#include <vector>
+
+#include "kbit_ops.h"
+
+namespace kbit {
+namespace {
+
+constexpr int64_t kBlockSize = 32;
+constexpr int64_t kUnit = 64;
+
+enum Path : int64_t { kAuto = 0, kGemv = 1, kMma = 2, kDequant = 3 };
+
+// Error messages are assembled here with std::to_string, never with iostreams: on the H200
+// image an ostream number insertion from this library crashed (the std::num_put facet looked
+// up from this .so's own template instance; backtrace in the report). c10::str of a single
+// std::string, which TORCH_CHECK then does, takes no ostream path.
+void append(std::string& s, const char* v) { s += v; }
+void append(std::string& s, const std::string& v) { s += v; }
+void append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
+void append(std::string& s, const c10::Device& v) { s += v.str(); }
+void append(std::string& s, at::IntArrayRef v) {
+  s += "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  s += "]";
+}
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+void append(std::string& s, T v) { s += std::to_string(v); }
+template <typename... A>
+std::string msg(const A&... a) {
+  std::string s;
+  (append(s, a), ...);
+  return s;
+}
+
+// The arch rule, separate from the device query so a test can reach the error path.
+void check_arch(int64_t major, int64_t minor) {
+  TORCH_CHECK(major >= 8, msg("kbit CUDA kernels need compute capability 8.0 (Ampere) or newer; this GPU is sm_",
+              major, minor, ". Use the PyTorch reference path (VLLM_KBIT_REFERENCE=1) on older GPUs."));
+}
+
+const cudaDeviceProp& device_props(const at::Tensor& t) {
+  const cudaDeviceProp* p = at::cuda::getDeviceProperties(t.device().index());
+  check_arch(p->major, p->minor);
+  return *p;
+}
+
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, msg("kbit::", what, ": CUDA error: ", cudaGetErrorString(err)));
+}
+
+void check_bits(int64_t bits) {
+  TORCH_CHECK(bits >= 2 && bits <= 5, msg("kbit: bits must be 2, 3, 4 or 5, got ", bits));
+}
+
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Tensor& ref,
+                  int64_t align = 16) {
+  TORCH_CHECK(t.is_cuda(), msg("kbit: ", name, " must be a CUDA tensor"));
+  TORCH_CHECK(t.device() == ref.device(), msg("kbit: ", name, " is on ", t.device(), " but the input is on ",
+              ref.device()));
+  TORCH_CHECK(t.scalar_type() == dtype, msg("kbit: ", name, " must be ", dtype, ", got ", t.scalar_type()));
+  TORCH_CHECK(t.is_contiguous(), msg("kbit: ", name, " must be contiguous"));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % align == 0, msg("kbit: ", name, " must be ", align,
+              "-byte aligned"));
+}
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return DType::kHalf;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kFloat: return DType::kFloat32;
+    default: TORCH_CHECK(false, msg("kbit: unsupported dtype ", t));
+  }
+  return DType::kHalf;
+}
+
+int64_t units(int64_t n, int64_t k) { return ((n + kUnit - 1) / kUnit) * ((k + kUnit - 1) / kUnit); }
+
+void check_codebook(const at::Tensor& codebook, int64_t bits, const at::Tensor& ref) {
+  check_tensor(codebook, "codebook", at::kFloat, ref);
+  TORCH_CHECK(codebook.numel() == (int64_t(1) << bits), msg("kbit: codebook has ", codebook.numel(),
+              " entries, bits=", bits, " needs ", int64_t(1) << bits));
+}
+
+// ---------------------------------------------------------------------------------- repack
+
+std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& qweight, const at::Tensor& absmax, int64_t bits) {
+  check_bits(bits);
+  check_tensor(qweight, "qweight", at::kInt, qweight);
+  check_tensor(absmax, "absmax", at::kByte, qweight);
+  device_props(qweight);
+  TORCH_CHECK(absmax.dim() == 2 && qweight.dim() == 2, msg("kbit::repack: qweight and absmax must be 2-D"));
+  const int64_t n = absmax.size(0), nb = absmax.size(1);
+  TORCH_CHECK(n > 0 && nb > 0, msg("kbit::repack: empty weight"));
+  TORCH_CHECK(qweight.size(0) == n && qweight.size(1) == nb * bits, msg("kbit::repack: qweight shape ",
+              qweight.sizes(), " does not match absmax ", absmax.sizes(), " for bits=", bits));
+  const int64_t k = nb * kBlockSize;
+  TORCH_CHECK(n < (int64_t(1) << 31) && k < (int64_t(1) << 31), msg("kbit::repack: weight too large"));
+  const c10::cuda::CUDAGuard guard(qweight.device());
+  const int64_t u = units(n, k);
+  at::Tensor packed = at::empty({u * bits * 128}, qweight.options());
+  at::Tensor absmax_packed = at::empty({u * 128}, absmax.options());
+  check_cuda(launch_repack(reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>()), absmax.data_ptr<uint8_t>(),
+                           reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>()), absmax_packed.data_ptr<uint8_t>(),
+                           int(n), int(k), int(bits), at::cuda::getCurrentCUDAStream()),
+             "repack");
+  return {packed, absmax_packed};
+}
+
+// ---------------------------------------------------------------------------------- quantize
+
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& weight, const at::Tensor& codebook, int64_t bits) {
+  check_bits(bits);
+  TORCH_CHECK(weight.is_cuda() && weight.dim() == 2, msg("kbit::quantize: weight must be a 2-D CUDA tensor"));
+  check_tensor(weight, "weight", weight.scalar_type(), weight, /*align=*/4);
+  check_codebook(codebook, bits, weight);
+  device_props(weight);
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(k % kBlockSize == 0, msg("kbit::quantize: in_features ", k, " is not a multiple of 32"));
+  TORCH_CHECK(n < (int64_t(1) << 31) && k < (int64_t(1) << 31), msg("kbit::quantize: weight too large"));
+  const DType dt = to_dtype(weight.scalar_type());
+  const c10::cuda::CUDAGuard guard(weight.device());
+  at::Tensor qweight = at::empty({n, k / kBlockSize * bits}, weight.options().dtype(at::kInt));
+  at::Tensor absmax = at::empty({n, k / kBlockSize}, weight.options().dtype(at::kByte));
+  if (n == 0 || k == 0) return {qweight, absmax};
+  check_cuda(launch_quantize(dt, weight.data_ptr(), codebook.data_ptr<float>(),
+                             reinterpret_cast<uint32_t*>(qweight.data_ptr<int32_t>()), absmax.data_ptr<uint8_t>(),
+                             int(n), int(k), int(bits), at::cuda::getCurrentCUDAStream()),
+             "quantize");
+  return {qweight, absmax};
+}
+
+// ---------------------------------------------------------------------------------- gemm
+
+struct GemmArgs {
+  int64_t m, n, k;
+  DType dtype;
+};
+
+GemmArgs check_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
+                    const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
+                    const c10::optional<at::Tensor>& bias) {
+  check_bits(bits);
+  TORCH_CHECK(x.is_cuda(), msg("kbit::gemm: x must be a CUDA tensor"));
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              msg("kbit::gemm: x must be float16 or bfloat16, got ", x.scalar_type()));
+  TORCH_CHECK(x.dim() == 2, msg("kbit::gemm: x must be 2-D [M, K], got ", x.sizes()));
+  check_tensor(x, "x", x.scalar_type(), x);
+  TORCH_CHECK(k > 0 && k % kBlockSize == 0, msg("kbit::gemm: k = ", k, " must be a positive multiple of 32"));
+  TORCH_CHECK(n > 0, msg("kbit::gemm: n must be positive"));
+  TORCH_CHECK(n < (int64_t(1) << 31) && k < (int64_t(1) << 31), msg("kbit::gemm: weight too large"));
+  TORCH_CHECK(x.size(1) == k, msg("kbit::gemm: x has ", x.size(1), " columns, expected k = ", k));
+  TORCH_CHECK(x.size(0) < (int64_t(1) << 31), msg("kbit::gemm: too many rows"));
+  check_tensor(packed, "packed", at::kInt, x);
+  check_tensor(absmax, "absmax", at::kByte, x);
+  const int64_t u = units(n, k);
+  TORCH_CHECK(packed.numel() == u * bits * 128, msg("kbit::gemm: packed has ", packed.numel(),
+              " words, the tiled layout of ", n, "x", k, " at bits=", bits, " has ", u * bits * 128,
+              " (pass the output of kbit::repack)"));
+  TORCH_CHECK(absmax.numel() == u * 128, msg("kbit::gemm: absmax has ", absmax.numel(), " bytes, expected ", u * 128,
+              " (pass the output of kbit::repack)"));
+  check_codebook(codebook, bits, x);
+  if (bias.has_value() && bias->defined()) {
+    check_tensor(*bias, "bias", x.scalar_type(), x, /*align=*/2);
+    TORCH_CHECK(bias->numel() == n, msg("kbit::gemm: bias has ", bias->numel(), " elements, expected n = ", n));
+  }
+  device_props(x);
+  return {x.size(0), n, k, to_dtype(x.scalar_type())};
+}
+
+#if __has_include("kbit_mma.cuh")
+constexpr bool kHasMma = true;
+#else
+constexpr bool kHasMma = false;
+#endif
+
+// Large-M fallback: dequantize row chunks of W (scratch <= 64 MiB) and multiply with cuBLAS.
+void gemm_dequant(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
+                  int64_t bits, const GemmArgs& a, const at::Tensor* bias, at::Tensor& y) {
+  const int64_t budget = int64_t(64) << 20;
+  int64_t rows = budget / (a.k * int64_t(x.element_size()));
+  rows = std::max<int64_t>(kUnit, rows / kUnit * kUnit);
+  if (rows > a.n) rows = a.n;
+  at::Tensor w = at::empty({rows, a.k}, x.options());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  for (int64_t n0 = 0; n0 < a.n; n0 += rows) {
+    const int64_t len = std::min(rows, a.n - n0);
+    at::Tensor wc = w.narrow(0, 0, len);
+    check_cuda(launch_dequantize(a.dtype, reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
+                                 absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(), wc.data_ptr(), int(n0),
+                                 int(n0 + len), int(a.k), int(bits), stream),
+               "gemm (dequantize)");
+    at::Tensor yc = y.narrow(1, n0, len);
+    if (bias != nullptr)
+      at::addmm_out(yc, bias->narrow(0, n0, len).unsqueeze(0).expand({a.m, len}), x, wc.t());
+    else
+      at::mm_out(yc, x, wc.t());
+  }
+}
+
+at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
+                     const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
+                     const c10::optional<at::Tensor>& bias_opt, int64_t path, int64_t splits) {
+  const GemmArgs a = check_gemm(x, packed, absmax, codebook, bits, n, k, bias_opt);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty({a.m, a.n}, x.options());
+  if (a.m == 0) return y;
+  const at::Tensor* bias = bias_opt.has_value() && bias_opt->defined() ? &*bias_opt : nullptr;
+  const void* bias_ptr = bias != nullptr ? bias->data_ptr() : nullptr;
+  const bool automatic = path == kAuto;
+  if (automatic) path = a.m <= gemv_max_m(int(bits)) ? kGemv : (kHasMma ? kMma : kDequant);
+  TORCH_CHECK(path >= kGemv && path <= kDequant, msg("kbit::gemm_path: path must be 0..3, got ", path));
+  TORCH_CHECK(path != kGemv || a.m <= kGemvMaxM, msg("kbit::gemm_path: the GEMV path serves M <= ", kGemvMaxM,
+              ", got M = ", a.m));
+  TORCH_CHECK(path != kMma || kHasMma, msg("kbit::gemm_path: this build has no tensor-core kernel"));
+  TORCH_CHECK(splits >= 0 && splits <= 8, msg("kbit::gemm_path: splits must be 0..8"));
+  const int num_sms = device_props(x).multiProcessorCount;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const auto* pk = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
+  if (path == kGemv) {
+    const size_t ws_bytes = gemv_workspace_bytes(int(a.m), int(a.n), int(a.k), int(bits), num_sms);
+    at::Tensor ws = at::empty({int64_t(ws_bytes)}, x.options().dtype(at::kByte));
+    const cudaError_t err = launch_gemv(a.dtype, x.data_ptr(), pk, absmax.data_ptr<uint8_t>(),
+                                        codebook.data_ptr<float>(), bias_ptr, y.data_ptr(),
+                                        ws_bytes ? ws.data_ptr() : nullptr, int(a.m), int(a.n), int(a.k), int(bits),
+                                        num_sms, stream, int(splits));
+    // cudaErrorNotSupported: this GPU's shared memory is too small for the GEMV ring
+    if (err == cudaErrorNotSupported && automatic)
+      path = kHasMma ? kMma : kDequant;
+    else
+      check_cuda(err, "gemm (gemv)");
+  }
+  if (path == kMma) {
+    const size_t ws_bytes = mma_workspace_bytes(int(a.m), int(a.n), int(a.k), int(bits), num_sms);
+    at::Tensor ws = at::empty({int64_t(ws_bytes)}, x.options().dtype(at::kByte));
+    check_cuda(launch_mma(a.dtype, x.data_ptr(), pk, absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(), bias_ptr,
+                          y.data_ptr(), ws_bytes ? ws.data_ptr() : nullptr, int(a.m), int(a.n), int(a.k), int(bits),
+                          num_sms, stream),
+               "gemm (mma)");
+  } else if (path == kDequant) {
+    gemm_dequant(x, packed, absmax, codebook, bits, a, bias, y);
+  }
+  return y;
+}
+
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
+                int64_t bits, int64_t n, int64_t k, const c10::optional<at::Tensor>& bias) {
+  return gemm_impl(x, packed, absmax, codebook, bits, n, k, bias, kAuto, 0);
+}
+
+at::Tensor gemm_path(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
+                     const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
+                     const c10::optional<at::Tensor>& bias, int64_t path, int64_t splits) {
+  return gemm_impl(x, packed, absmax, codebook, bits, n, k, bias, path, splits);
+}
+
+// Tiled layout -> W[n, k] (test hook for launch_dequantize).
+at::Tensor dequantize_tiled(const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
+                            int64_t bits, int64_t n, int64_t k, at::ScalarType dtype) {
+  check_bits(bits);
+  check_tensor(packed, "packed", at::kInt, packed);
+  check_tensor(absmax, "absmax", at::kByte, packed);
+  check_codebook(codebook, bits, packed);
+  device_props(packed);
+  TORCH_CHECK(n > 0 && k > 0 && k % kBlockSize == 0, msg("kbit::dequantize_tiled: bad shape"));
+  TORCH_CHECK(packed.numel() == units(n, k) * bits * 128 && absmax.numel() == units(n, k) * 128,
+              msg("kbit::dequantize_tiled: layout size does not match n, k, bits"));
+  const DType dt = to_dtype(dtype);
+  const c10::cuda::CUDAGuard guard(packed.device());
+  at::Tensor w = at::empty({n, k}, packed.options().dtype(dtype));
+  check_cuda(launch_dequantize(dt, reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
+                               absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(), w.data_ptr(), 0, int(n), int(k),
+                               int(bits), at::cuda::getCurrentCUDAStream()),
+             "dequantize_tiled");
+  return w;
+}
+
+void check_arch_op(int64_t major, int64_t minor) { check_arch(major, minor); }
+
+int64_t gemv_max_m_op(int64_t bits) {
+  check_bits(bits);
+  return gemv_max_m(int(bits));
+}
+
+bool has_mma_op() { return kHasMma; }
+
+// ---- BEGIN MMA plan hook (owner: tensor-core kernel, csrc/kbit_mma.cu) ----
+// The tensor-core launch plan for a shape on the current device, for tests and benchmarks:
+// [cfg, tile_m, tile_n, splits, k_tiles_per_split, items, grid, workspace_bytes].
+}  // namespace
+void mma_plan_info(int m, int n, int k, int bits, int num_sms, int64_t* out);  // kbit_mma.cu
+namespace {
+std::vector<int64_t> mma_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits) {
+  check_bits(bits);
+  TORCH_CHECK(kHasMma, msg("kbit::mma_plan: this build has no tensor-core kernel"));
+  TORCH_CHECK(m > 0 && n > 0 && k > 0 && k % kBlockSize == 0, msg("kbit::mma_plan: bad shape"));
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  std::vector<int64_t> out(8);
+  mma_plan_info(int(m), int(n), int(k), int(bits), num_sms, out.data());
+  return out;
+}
+// ---- END MMA plan hook ----
+
+}  // namespace
+}  // namespace kbit
+
+// C++-only helper ops (tests, benchmarks). The three public schemas live in vllm_kbit/ops.py.
+TORCH_LIBRARY_FRAGMENT(kbit, m) {
+  m.def("gemm_path(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, int n, int k, "
+        "Tensor? bias, int path, int splits=0) -> Tensor");
+  m.def("dequantize_tiled(Tensor packed, Tensor absmax, Tensor codebook, int bits, int n, int k, "
+        "ScalarType dtype) -> Tensor");
+  m.def("check_arch(int major, int minor) -> ()", &kbit::check_arch_op);
+  m.def("gemv_max_m(int bits) -> int", &kbit::gemv_max_m_op);
+  m.def("has_mma() -> bool", &kbit::has_mma_op);
+  m.def("mma_plan(int m, int n, int k, int bits) -> int[]", &kbit::mma_plan_op);  // MMA plan hook
+}
+
+TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
+  m.impl("repack", &kbit::repack);
+  m.impl("gemm", &kbit::gemm);
+  m.impl("quantize", &kbit::quantize);
+  m.impl("gemm_path", &kbit::gemm_path);
+  m.impl("dequantize_tiled", &kbit::dequantize_tiled);
+}
+
+// `import vllm_kbit._C` loads this library (which runs the registrations above); the module
+// itself is empty.
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", "kbit CUDA kernels (registered as torch.ops.kbit.*)", -1,
+                            nullptr, nullptr, nullptr, nullptr, nullptr};
+  return PyModule_Create(&def);
+}

@@ -1,0 +1,90 @@
+// Device helpers shared by the repack / quantize / dequantize / GEMV kernels (torch-free).
+// Each PTX wrapper says why it exists instead of the plain C++ form.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kbit_layout.cuh"
+
+namespace kbit {
+
+// E4M4 code -> float, exact and independent of fast-math: decode_e4m4 in kbit_layout.cuh
+// divides by a power of two, which --use_fast_math may turn into an approximate reciprocal.
+// Normal codes are assembled as IEEE bits (exponent e - 11 + 127, mantissa m << 19);
+// subnormals are m * 2^-14, a multiplication by a power of two (exact, result normal).
+__host__ __device__ __forceinline__ float decode_e4m4_exact(uint32_t code) {
+  const uint32_t e = (code >> 4) & 0xF, m = code & 0xF;
+#ifdef __CUDA_ARCH__
+  return e ? __uint_as_float(((e + 116u) << 23) | (m << 19)) : float(m) * 0x1p-14f;
+#else
+  return decode_e4m4(uint8_t(code));
+#endif
+}
+
+template <typename T> struct Vec2;
+template <> struct Vec2<__half> { using type = __half2; };
+template <> struct Vec2<__nv_bfloat16> { using type = __nv_bfloat162; };
+
+// Two codebook values as one 32-bit register of the MMA operand type (lo16 = a, hi16 = b).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float a, float b);
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+
+template <typename T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
+
+// Streaming 16-byte load of weight data that is read exactly once: non-coherent path and no
+// L1 allocation, so the L1 keeps the activations that every warp re-reads.
+__device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// shfl.idx reads only bits [4:0] of the source-lane operand (PTX ISA, shfl.sync), so a
+// shifted word whose low 5 bits hold an index can be passed without masking; __shfl_sync
+// documents no such guarantee, hence the explicit instruction.
+__device__ __forceinline__ uint32_t shfl_lut(uint32_t table, uint32_t lane_bits) {
+  uint32_t r;
+  asm("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=r"(r) : "r"(table), "r"(lane_bits));
+  return r;
+}
+
+// 32-bit shared-window load. The GEMV table lookups use it with an address computed as
+// (lane's replica base) + (entry << 7), one LEA; given a plain C++ index the compiler
+// rebuilds ((entry << 5) | lane) * 4 + base, which costs three integer ops instead of one.
+// volatile: keeps it after the __syncthreads that publishes the table.
+__device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
+  uint32_t r;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(addr));
+  return r;
+}
+
+// Hides a value's provenance from the optimizer (see lds_u32).
+__device__ __forceinline__ uint32_t opaque(uint32_t v) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(v));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  return __byte_perm(a, b, sel);
+}
+
+}  // namespace kbit

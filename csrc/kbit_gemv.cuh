@@ -1,0 +1,419 @@
+// Small-M kbit GEMM ("GEMV" path, 1 <= M <= 16): y[M, N] = x[M, K] @ dequant(W)^T (+ bias).
+// Torch-free; instantiated once per bit width in csrc/generated/gemv_k{2,3,4,5}.cu.
+//
+// Design (the numbers are the H200's; see benchmarks/bench_gemm.py):
+//   * Memory bound in principle: at K=4 the weights are 0.53 B per weight, so 85% of the
+//     4.25 TB/s copy bandwidth is ~26 weights / clock / SM at 1.98 GHz (the SM clock measured
+//     under this load is 1.72 GHz, which makes it ~30), i.e. ~4 thread-instructions per weight
+//     for everything. Measured (ncu, 57344x8192, K=4, M=1): ~430 warp-instructions per 64x64
+//     unit (3.4 / weight), 0.71 issued / scheduler / clock, DRAM at 56-62%: the kernel is
+//     issue-bound (integer pipe: transpose + table addressing), not bandwidth-bound.
+//   * Work: a warp streams the 64x64 units (kbit_layout.cuh) of one 64-column slab along K,
+//     16-byte loads, a few units in flight in registers. A CTA (8 warps) owns one slab and a
+//     K range (its warps interleave over the units); a cluster of S CTAs (sm_90) splits K
+//     further and reduces through distributed shared memory, in a fixed order: deterministic,
+//     no global workspace, no memset, one launch (CUDA-graph safe).
+//   * Multiply on the tensor cores even at M = 1: W is the A operand (m16 = two n8 column
+//     groups, exactly the bytes a lane holds in the layout) and x^T the B operand (n8 = up to
+//     8 rows of x; a second n8 tile for M <= 16). So the cost per weight is the decode alone
+//     and does not grow with M. A block's two k16 steps go into a fresh accumulator that is
+//     then scaled by that column's absmax in fp32 (the D fragment rows are the columns the
+//     lane's absmax bytes describe), so the weights enter the MMA as raw codebook values.
+//   * Decode, per 32 elements (one word of each bit-plane):
+//       K=2: 2 planes -> two words of 2-bit fields (4 ops); every nibble is a PAIR of indices,
+//            looked up with one shuffle in a 16-entry half2 pair table held by the lanes.
+//       K=3,4: planes -> 4 "nibble" words (bit-matrix transpose, ~28 ops); every byte is a
+//            pair of indices, looked up in a 256-entry (128 for K=3) half2 pair table in
+//            shared memory, replicated 32x so lane l always hits bank l (conflict-free).
+//       K=5: as K=4 plus the 5th plane merged into byte-wide fields; single-value shuffle
+//            lookups (32-entry table = 32 lanes) and one PRMT per pair.
+//     A pair always holds two elements of one column and one block; since the MMA sums over
+//     k in any order, x is permuted to match (PRMT of the 32-bit x loads), never W.
+//   * E4M4 absmax: fp16 bits (code << 6) == E4M4(code) / 16 exactly (kbit_layout.cuh), two
+//     codes per shift; the 16 is applied once in the epilogue.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#include <cooperative_groups.h>
+#endif
+
+#include "kbit_common.cuh"
+#include "kbit_layout.cuh"
+#include "kbit_ops.h"
+
+namespace kbit {
+namespace gemv {
+
+constexpr int kWarps = 8;                 // warps per CTA
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxSplits = 8;             // portable cluster size
+constexpr int kPairsPerLane = 4;          // m16 column-group pairs per unit (8 n8 groups / 2)
+
+struct Params {
+  const void* x;             // [m, k] fp16 / bf16
+  const uint32_t* packed;    // tiled layout
+  const uint8_t* absmax;     // tiled layout
+  const float* codebook;     // [2^bits] float32
+  const void* bias;          // [n] or nullptr
+  void* y;                   // [m, n]
+  int m, n, k;
+  int ku_count;              // k_units(k)
+  int chunk;                 // units per split (the K range of one CTA)
+};
+
+// Per bit width: the shared-memory pair table and how many units a warp keeps in flight.
+template <int BITS> struct Traits {
+  static_assert(BITS >= 2 && BITS <= 5, "kbit supports 2..5 bits");
+  // shared-memory pair table entries (pair index = idx_a | idx_b << 4), 0 when lanes hold it
+  static constexpr int kLutEntries = BITS == 4 ? 256 : BITS == 3 ? 128 : 0;
+  // x pairing: K=2 pairs elements (e, e+2) of a byte, the nibble schemes pair (e, e+4)
+  static constexpr bool kCrumbPairs = BITS == 2;
+  // register stages: stages - 1 units in flight per warp while one is decoded (16 warps/SM)
+  static constexpr int kStages = BITS == 5 ? 2 : 3;
+};
+
+// One unit as a lane holds it in registers: its 16 bytes of each bit-plane, the 16 absmax
+// codes of its column group, and the x pairs its B fragments need.
+template <int BITS, int MT> struct Stage {
+  uint4 w[BITS];             // word w of plane b: component w of w[b]
+  uint4 a;                   // absmax codes [w][q]
+  uint32_t x[MT][2][4];      // [n8 tile][block][i]: x[row][32 kb + 2t + 8i .. +1]
+};
+
+__device__ __forceinline__ uint32_t comp(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;  // i is a compile-time constant
+}
+
+// m16n8k16 with fp32 accumulation; A row-major (W: 16 columns x 16 k), B col-major (x^T).
+template <typename T> __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
+                                                          uint32_t b0, uint32_t b1, const float (&c)[4]);
+template <> __device__ __forceinline__ void mma<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                        uint32_t b1, const float (&c)[4]) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11,%12,%13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+        "f"(c[3]));
+}
+template <> __device__ __forceinline__ void mma<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                               uint32_t b1, const float (&c)[4]) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11,%12,%13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+        "f"(c[3]));
+}
+
+// The 4 pairs of column q (byte q of the plane words) for one block, from one word of each
+// plane. The MMA takes pairs 0,1 in its first k16 step and pairs 2,3 in the second.
+template <int BITS, typename T> struct Decoder {
+  // K=2: 2 crumb words; K=3,4: nibble words N_0..N_3; K=5: byte-field words E_0..3, O_0..3
+  static constexpr int kWords = BITS == 2 ? 2 : BITS == 5 ? 8 : 4;
+  uint32_t words[kWords];
+
+  __device__ __forceinline__ void load(const uint32_t (&p)[BITS]) {
+    if constexpr (BITS == 2) {
+      // 2-bit field i of words[0] = index of element 2i, of words[1] = index of element 2i+1;
+      // so nibble 2q of words[0] is the pair (0, 2) of column q, nibble 2q+1 the pair (4, 6)
+      words[0] = (p[0] & 0x55555555u) | ((p[1] << 1) & 0xAAAAAAAAu);
+      words[1] = ((p[0] >> 1) & 0x55555555u) | (p[1] & 0xAAAAAAAAu);
+    } else {
+      // bit-matrix transpose of planes 0..3: N_s nibble m = index of element 4m + s, so
+      // byte q of N_s is the pair (s, s+4) of column q
+      constexpr int kLow = BITS < 4 ? BITS : 4;
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        uint32_t v = 0;
+#pragma unroll
+        for (int b = 0; b < kLow; ++b) {
+          const uint32_t sh = b >= s ? (p[b] << (b - s)) : (p[b] >> (s - b));
+          v |= sh & (0x11111111u << b);
+        }
+        if constexpr (BITS == 5) {
+          // widen to byte fields and add plane 4 as bit 4: E_s byte q = index of element s
+          // of column q, O_s byte q = index of element s + 4
+          const uint32_t h = (p[4] >> s) & 0x11111111u;  // bit 4m: plane 4 of element 4m + s
+          words[s] = (v & 0x0F0F0F0Fu) | ((h << 4) & 0x10101010u);
+          words[4 + s] = ((v >> 4) & 0x0F0F0F0Fu) | (h & 0x10101010u);
+        } else {
+          words[s] = v;
+        }
+      }
+    }
+  }
+
+  // pair s (0..3) of column q (0..3) as one 32-bit operand register (lo16 = first element)
+  __device__ __forceinline__ uint32_t pair(int q, int s, uint32_t lut_addr, uint32_t table) const {
+    if constexpr (BITS == 2) {
+      // crumb pairs: s = 0: (0,2), 1: (1,3), 2: (4,6), 3: (5,7); one shuffle per pair
+      return shfl_lut(table, words[s & 1] >> (8 * q + 4 * (s >> 1)));
+    } else if constexpr (BITS == 5) {
+      // one shuffle per element (32-entry table = 32 lanes), PRMT joins the pair (s, s+4)
+      return prmt(shfl_lut(table, words[s] >> (8 * q)), shfl_lut(table, words[4 + s] >> (8 * q)), 0x5410);
+    } else {
+      // shared-memory pair table, replica `lane` (conflict-free): entry v = byte q of N_s at
+      // byte offset 128 v from this lane's replica; PRMT extracts the byte, LEA adds it
+      const uint32_t v = prmt(words[s], 0u, 0x4440u | uint32_t(q));
+      return lds_u32(lut_addr + (v << 7));
+    }
+  }
+};
+
+// Loads of unit `ku` into registers: 16-byte streaming loads of the planes and absmax (the
+// 4 lanes of a column group read the same absmax bytes: one broadcast), 32-bit x loads.
+// (Measured: carrying incremented pointers across the loop instead of this index math costs
+// registers and was 10-20% slower at the 128-register cap.)
+template <int BITS, int MT, typename T>
+__device__ __forceinline__ void load_stage(Stage<BITS, MT>& st, const Params& p, int nu, int ku, int lane) {
+  const long long unit = (long long)nu * p.ku_count + ku;
+  const uint32_t* wp = p.packed + unit * unit_words(BITS) + lane * 4;
+#pragma unroll
+  for (int b = 0; b < BITS; ++b) st.w[b] = ld_stream_v4(wp + b * 128);
+  st.a = ld_stream_v4(p.absmax + unit * kUnitAbsmaxBytes + (lane >> 2) * 16);
+  const int g = lane >> 2, t = lane & 3;
+  const T* x = static_cast<const T*>(p.x);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int row = 8 * mt + g;
+#pragma unroll
+    for (int kb = 0; kb < 2; ++kb) {
+      const int k0 = ku * kUnitK + kb * kBlock;
+      if (row < p.m && k0 < p.k) {  // never read x beyond K (padding) or M
+        const uint32_t* xr = reinterpret_cast<const uint32_t*>(x + (long long)row * p.k + k0 + 2 * t);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) st.x[mt][kb][i] = __ldg(xr + 4 * i);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) st.x[mt][kb][i] = 0u;
+      }
+    }
+  }
+}
+
+// Decode one unit and accumulate (see the file comment for the scheme).
+template <int BITS, int MT, typename T>
+__device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (&acc)[kPairsPerLane][MT][4],
+                                              uint32_t lut_addr, uint32_t table) {
+#pragma unroll
+  for (int kb = 0; kb < 2; ++kb) {
+    // B operands (x^T) of the block's two k16 steps, permuted to the decoder's pairing
+    uint32_t bx[MT][2][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint32_t* L = st.x[mt][kb];
+      const uint32_t u0 = L[0], u1 = Traits<BITS>::kCrumbPairs ? L[1] : L[2];
+      const uint32_t v0 = Traits<BITS>::kCrumbPairs ? L[2] : L[1], v1 = L[3];
+      bx[mt][0][0] = prmt(u0, u1, 0x5410);
+      bx[mt][0][1] = prmt(u0, u1, 0x7632);
+      bx[mt][1][0] = prmt(v0, v1, 0x5410);
+      bx[mt][1][1] = prmt(v0, v1, 0x7632);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int w = 2 * kb + h;
+      uint32_t planes[BITS];
+#pragma unroll
+      for (int b = 0; b < BITS; ++b) planes[b] = comp(st.w[b], w);
+      Decoder<BITS, T> dec;
+      dec.load(planes);
+      // absmax codes of columns q = 0..3 of this word: (code << 6) as fp16 is E4M4 / 16
+      const uint32_t codes = comp(st.a, w);
+      const uint32_t s02 = (codes & 0x00FF00FFu) << 6, s13 = (codes >> 2) & 0x3FC03FC0u;
+      const float2 f02 = __half22float2(*reinterpret_cast<const __half2*>(&s02));
+      const float2 f13 = __half22float2(*reinterpret_cast<const __half2*>(&s13));
+      const float scale[4] = {f02.x, f13.x, f02.y, f13.y};
+#pragma unroll
+      for (int qp = 0; qp < 2; ++qp) {
+        const int q0 = 2 * qp, q1 = 2 * qp + 1;
+        uint32_t a0[4], a1[4];
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          a0[s] = dec.pair(q0, s, lut_addr, table);
+          a1[s] = dec.pair(q1, s, lut_addr, table);
+        }
+        const uint32_t frag0[4] = {a0[0], a1[0], a0[1], a1[1]};  // k16 step 0: pairs 0, 1
+        const uint32_t frag1[4] = {a0[2], a1[2], a0[3], a1[3]};  // k16 step 1: pairs 2, 3
+        const int pr = 2 * h + qp;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+          float d[4];
+          mma<T>(d, frag0, bx[mt][0][0], bx[mt][0][1], zero);
+          mma<T>(d, frag1, bx[mt][1][0], bx[mt][1][1], d);
+          acc[pr][mt][0] = fmaf(scale[q0], d[0], acc[pr][mt][0]);
+          acc[pr][mt][1] = fmaf(scale[q0], d[1], acc[pr][mt][1]);
+          acc[pr][mt][2] = fmaf(scale[q1], d[2], acc[pr][mt][2]);
+          acc[pr][mt][3] = fmaf(scale[q1], d[3], acc[pr][mt][3]);
+        }
+      }
+    }
+  }
+}
+
+// Shared memory of one CTA: the pair table (K=3,4), reused after the main loop for the
+// cross-warp reduction scratch, then the partial sums the cluster reads.
+template <int BITS, int MT> struct Smem {
+  static constexpr int kAcc = kPairsPerLane * MT * 4;                  // floats per lane
+  static constexpr int kLutBytes = Traits<BITS>::kLutEntries * 32 * 4;
+  static constexpr int kRedBytes = kWarps * kAcc * 32 * 4;
+  static constexpr int kPart = kLutBytes > kRedBytes ? kLutBytes : kRedBytes;
+  static constexpr int kBytes = kPart + kAcc * 32 * 4;
+  static_assert(kBytes <= 48 * 1024, "fits without the dynamic shared memory opt-in");
+};
+
+template <int BITS, int MT, typename T>
+__global__ void __launch_bounds__(kThreads, MT == 1 ? 2 : 1) gemv_kernel(const Params p) {
+  extern __shared__ __align__(16) uint32_t smem[];
+  using S = Smem<BITS, MT>;
+  constexpr int kAcc = S::kAcc;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nu = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+  const int ku_begin = split * p.chunk;
+  const int ku_end = min(p.ku_count, ku_begin + p.chunk);
+
+  // ---- codebook table: in the lanes (K=2: pair table, K=5: values) or in shared memory
+  uint32_t table = 0;
+  if constexpr (BITS == 2) {
+    table = pack2<T>(__ldg(p.codebook + (lane & 3)), __ldg(p.codebook + ((lane >> 2) & 3)));
+  } else if constexpr (BITS == 5) {
+    const float v = __ldg(p.codebook + lane);
+    table = pack2<T>(v, v);
+  } else {
+    constexpr int kEntries = Traits<BITS>::kLutEntries;
+    constexpr int kMask = (1 << BITS) - 1;
+    uint4* lut4 = reinterpret_cast<uint4*>(smem);
+    for (int i = threadIdx.x; i < kEntries * 8; i += kThreads) {  // 8 uint4 = 32 replicas
+      const int v = i >> 3;
+      const uint32_t e = pack2<T>(__ldg(p.codebook + (v & kMask)), __ldg(p.codebook + ((v >> 4) & kMask)));
+      lut4[i] = make_uint4(e, e, e, e);
+    }
+  }
+  if constexpr (Traits<BITS>::kLutEntries > 0) __syncthreads();
+  // entry v of replica `lane` is the word 32 v + lane (bank = lane)
+  const uint32_t lut_addr = opaque(uint32_t(__cvta_generic_to_shared(smem)) + 4u * lane);
+
+  float acc[kPairsPerLane][MT][4];
+#pragma unroll
+  for (int i = 0; i < kPairsPerLane; ++i)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][mt][j] = 0.f;
+
+  // ---- stream this warp's units (ku = ku_begin + warp + it * kWarps): a ring of kStages
+  // register stages, kStages - 1 units in flight while one is decoded
+  constexpr int kStages = Traits<BITS>::kStages;
+  const int count = ku_end - ku_begin;
+  const int n_iter = count > warp ? (count - warp + kWarps - 1) / kWarps : 0;
+  Stage<BITS, MT> st[kStages];
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s)
+    if (s < n_iter) load_stage<BITS, MT, T>(st[s], p, nu, ku_begin + warp + s * kWarps, lane);
+  for (int it0 = 0; it0 < n_iter; it0 += kStages) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      const int it = it0 + s;
+      if (it < n_iter) {
+        const int nxt = it + kStages - 1;
+        if (nxt < n_iter)
+          load_stage<BITS, MT, T>(st[(s + kStages - 1) % kStages], p, nu, ku_begin + warp + nxt * kWarps, lane);
+        compute_stage<BITS, MT, T>(st[s], acc, lut_addr, table);
+      }
+    }
+  }
+
+  // ---- reduce: warps of the CTA through shared memory, then the CTAs of the cluster through
+  // distributed shared memory; every sum runs in a fixed order (deterministic).
+  __syncthreads();  // the table region is reused below
+  float* red = reinterpret_cast<float*>(smem);
+  float* part = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + S::kPart);
+#pragma unroll
+  for (int i = 0; i < kPairsPerLane; ++i)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) red[(warp * kAcc + (i * MT + mt) * 4 + j) * 32 + lane] = acc[i][mt][j];
+  __syncthreads();
+  for (int e = threadIdx.x; e < kAcc * 32; e += kThreads) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += red[w * kAcc * 32 + e];
+    part[e] = s;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  if (splits > 1) cluster.sync(); else __syncthreads();
+#else
+  __syncthreads();
+#endif
+  // CTA `split` of the cluster finishes elements [e0, e1) of the slab's kAcc * 32
+  const int per = (kAcc * 32 + splits - 1) / splits;
+  const int e0 = split * per, e1 = min(kAcc * 32, e0 + per);
+  const T* bias = static_cast<const T*>(p.bias);
+  T* y = static_cast<T*>(p.y);
+  for (int e = e0 + threadIdx.x; e < e1; e += kThreads) {
+    const int i = e >> 5, l = e & 31;          // i = (pair * MT + mt) * 4 + j
+    const int j = i & 3, mt = (i >> 2) % MT, pr = (i >> 2) / MT;
+    const int row = 8 * mt + 2 * (l & 3) + (j & 1);
+    const int col = nu * kUnitN + 8 * (2 * pr + (j >> 1)) + (l >> 2);
+    if (row < p.m && col < p.n) {
+      float s = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      if (splits > 1) {
+        for (int r = 0; r < splits; ++r) s += cluster.map_shared_rank(part, r)[e];
+      } else {
+        s = part[e];
+      }
+#else
+      s = part[e];
+#endif
+      float v = 16.f * s;  // the absmax scales were E4M4 / 16
+      if (bias != nullptr) v += to_float(bias[col]);
+      y[(long long)row * p.n + col] = from_float<T>(v);
+    }
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (splits > 1) cluster.sync();  // keep this CTA's `part` alive until the cluster read it
+#endif
+}
+
+// Launch one instantiation; `splits` >= 1 already chosen (and 1 below sm_90).
+template <int BITS, int MT, typename T>
+cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(n_units(p.n), splits, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = Smem<BITS, MT>::kBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  cfg.attrs = attr;
+  cfg.numAttrs = 0;
+  if (splits > 1) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = splits;
+    attr[0].val.clusterDim.z = 1;
+    cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, gemv_kernel<BITS, MT, T>, p);
+}
+
+// Entry point of one bit width (instantiated in generated/gemv_k<BITS>.cu).
+template <int BITS>
+cudaError_t launch_bits(DType dtype, const Params& p, int splits, cudaStream_t stream) {
+  const bool two_tiles = p.m > 8;
+  if (dtype == DType::kHalf)
+    return two_tiles ? launch_t<BITS, 2, __half>(p, splits, stream) : launch_t<BITS, 1, __half>(p, splits, stream);
+  if (dtype == DType::kBFloat16)
+    return two_tiles ? launch_t<BITS, 2, __nv_bfloat16>(p, splits, stream)
+                     : launch_t<BITS, 1, __nv_bfloat16>(p, splits, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace gemv
+}  // namespace kbit

@@ -1,0 +1,65 @@
+// Torch-free host launchers of the kbit kernels. The torch binding (binding.cpp) is the only
+// caller: it checks and allocates, then calls these on the current stream. Every launcher
+// is CUDA-graph safe: no allocation, no host sync, a grid that depends on shapes only, and
+// workspaces (when any) zeroed on the stream or in the kernel.
+//
+// Conventions shared by all launchers:
+//   * W[N, K] is the weight (N out, K in features), K % 32 == 0, N >= 1.
+//   * `packed` / `absmax` (no suffix) are the tiled layout of kbit_layout.cuh;
+//     `qweight` / absmax of the checkpoint layout are named so (see vllm_kbit/format.py).
+//   * x[M, K], y[M, N] row-major, contiguous, dtype per DType; codebook float32[2^bits] on
+//     the device; bias (nullable) [N] of the activation dtype.
+//   * A launcher returns the first CUDA error it saw (cudaSuccess otherwise) and never
+//     throws; cudaErrorInvalidValue for arguments it does not support.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace kbit {
+
+enum class DType { kHalf, kBFloat16, kFloat32 };
+
+// Largest M the GEMV path serves (its MMA-fed kernel handles up to two n8 tiles of x rows).
+constexpr int kGemvMaxM = 16;
+
+// GEMV for M <= gemv_max_m(bits) is what `gemm` picks when the caller does not force a
+// path; above it the tensor-core kernel (launch_mma) or dequant + cuBLAS. Measured on the
+// H200 by benchmarks/bench_gemm.py (see docs in that file / the report).
+inline int gemv_max_m(int /*bits*/) { return kGemvMaxM; }
+
+// checkpoint (qweight int32 [N, K/32*bits], absmax uint8 [N, K/32]) -> tiled layout.
+// packed: n_units(N) * k_units(K) * bits * 128 words; absmax_packed: n_units * k_units * 128 B.
+// Padding is written (zeros), so the outputs need no memset.
+cudaError_t launch_repack(const uint32_t* qweight, const uint8_t* absmax, uint32_t* packed,
+                          uint8_t* absmax_packed, int n, int k, int bits, cudaStream_t stream);
+
+// W[N, K] (fp16, bf16 or fp32) -> checkpoint layout, bit-exact with format.quantize
+// (range checks are the caller's: format.check_quantizable).
+cudaError_t launch_quantize(DType dtype, const void* w, const float* codebook, uint32_t* qweight,
+                            uint8_t* absmax, int n, int k, int bits, cudaStream_t stream);
+
+// y = x @ dequant(W)^T (+ bias) for 1 <= M <= kGemvMaxM; x/y fp16 or bf16.
+// `splits` = 0 picks the split-K factor from the shape; 1..8 forces it (benchmarks, tests;
+// more than 1 needs sm_90 clusters and is clamped to 1 below sm_90).
+cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,
+                        const float* codebook, const void* bias, void* y, void* workspace, int m,
+                        int n, int k, int bits, int num_sms, cudaStream_t stream, int splits = 0);
+// Bytes of `workspace` launch_gemv needs (0: its split-K reduces through cluster shared memory).
+size_t gemv_workspace_bytes(int m, int n, int k, int bits, int num_sms);
+
+// Tensor-core kernel for large M (implemented by kbit_mma.cuh + generated/mma_k*.cu).
+cudaError_t launch_mma(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,
+                       const float* codebook, const void* bias, void* y, void* workspace, int m,
+                       int n, int k, int bits, int num_sms, cudaStream_t stream);
+size_t mma_workspace_bytes(int m, int n, int k, int bits, int num_sms);
+
+// Tiled layout -> row-major W rows [n_begin, n_end) into w[(n_end - n_begin), K] (fp16/bf16/fp32),
+// each value float(codebook[idx]) * decode_e4m4(absmax) rounded once to the output dtype
+// (bit-exact with format.dequantize(..., dtype)).
+cudaError_t launch_dequantize(DType dtype, const uint32_t* packed, const uint8_t* absmax,
+                              const float* codebook, void* w, int n_begin, int n_end, int k,
+                              int bits, cudaStream_t stream);
+
+}  // namespace kbit

@@ -1,0 +1,39 @@
+"""Small workload for compute-sanitizer (memcheck / racecheck): repack, quantize, dequantize
+and the GEMV path (every split-K factor) on small, awkward shapes. Prints one line per step;
+exits non-zero on a wrong result. Not a pytest file (run: python tests/sanitize_small.py)."""
+import sys
+
+import torch
+
+from vllm_kbit import format as kf
+from vllm_kbit import layout as kl
+from vllm_kbit import ops
+
+assert torch.cuda.is_available() and ops.HAS_CUDA_KERNELS, "needs a GPU and vllm_kbit._C"
+dev = "cuda"
+ok = True
+for bits in (2, 3, 4, 5):
+    for n, k in ((72, 96), (130, 160)):
+        w = torch.randn(n, k, device=dev, dtype=torch.float16) * 0.1
+        cb = kf.normal_float_codebook(bits, dev)
+        q, a = torch.ops.kbit.quantize(w, cb, bits)
+        q_ref, a_ref = kf.quantize(w, bits, cb)
+        ok &= torch.equal(q, q_ref) and torch.equal(a, a_ref)
+        packed, ap = torch.ops.kbit.repack(q, a, bits)
+        rp, ra = kl.repack_ref(q, a, bits)
+        ok &= torch.equal(packed, rp) and torch.equal(ap, ra)
+        wd = torch.ops.kbit.dequantize_tiled(packed, ap, cb, bits, n, k, torch.float16)
+        ok &= torch.equal(wd, kf.dequantize(q, a, bits, cb, dtype=torch.float16))
+        w64 = kf.dequantize(q, a, bits, cb, dtype=torch.float64)
+        for m in (1, 9):
+            x = torch.randn(m, k, device=dev, dtype=torch.float16)
+            bias = torch.randn(n, device=dev, dtype=torch.float16)
+            ref = x.double() @ w64.t() + bias.double()
+            for splits in (1, 2, 3):
+                y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, bias, 1, splits)
+                err = float((y.double() - ref).norm() / ref.norm())
+                ok &= err < 2e-3
+        print(f"bits={bits} n={n} k={k}: {'ok' if ok else 'FAIL'}", flush=True)
+torch.cuda.synchronize()
+print("sanitize_small:", "PASS" if ok else "FAIL")
+sys.exit(0 if ok else 1)

@@ -1,0 +1,261 @@
+"""GPU tests of the kbit CUDA kernels (vllm_kbit._C): repack, quantize, dequantize, gemm.
+
+Skipped cleanly without a GPU or without the built extension. References:
+  * repack / quantize / dequantize: bit-exact against vllm_kbit/layout.py and format.py;
+  * gemm: relative error ||y - ref|| / ||ref|| against float64 x @ dequantize(W, float64)^T
+    (+ bias): < 2e-3 for fp16, < 1e-2 for bf16.
+Every gemm call sees fresh random inputs and an output buffer the caching allocator hands
+back from a NaN-filled block (so an unwritten element shows up as NaN).
+"""
+import functools
+
+import pytest
+import torch
+
+from vllm_kbit import format as kf
+from vllm_kbit import layout as kl
+from vllm_kbit import ops
+
+HAVE_KERNELS = torch.cuda.is_available() and ops.HAS_CUDA_KERNELS
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not HAVE_KERNELS, reason="needs a CUDA GPU and the built vllm_kbit._C")]
+
+DEV = "cuda"
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+ALL_M = [1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 33, 64, 256, 1024]
+PATH_AUTO, PATH_GEMV, PATH_MMA, PATH_DEQUANT = 0, 1, 2, 3
+
+
+def _poison_allocator():
+    """Fill a block of each caching-allocator pool (small <= 1 MiB, large) with NaN and free
+    them: the op's next allocations reuse that memory."""
+    for nbytes in (1 << 20, 64 << 20):
+        t = torch.empty(nbytes // 4, dtype=torch.float32, device=DEV)
+        t.fill_(float("nan"))
+        del t
+
+
+def _random_weight(n, k, bits, seed):
+    """A random tiled weight: random indices, E4M4 codes spread over ~2^-9 .. 2^-1 plus a few
+    zero / subnormal blocks."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 32 * bits), generator=g, device=DEV, dtype=torch.int32)
+    absmax = torch.randint(0x28, 0xA8, (n, k // 32), generator=g, device=DEV, dtype=torch.int32)
+    special = torch.rand(n, k // 32, generator=g, device=DEV) < 0.01
+    absmax = torch.where(special, torch.randint(0, 16, (n, k // 32), generator=g, device=DEV, dtype=torch.int32),
+                         absmax).to(torch.uint8)
+    return qweight, absmax
+
+
+@functools.lru_cache(maxsize=2)
+def _case(n, k, bits, seed=0):
+    """(qweight, absmax, packed, absmax_packed, W64, codebook) for a shape, cached."""
+    qweight, absmax = _random_weight(n, k, bits, seed)
+    cb = kf.normal_float_codebook(bits, DEV)
+    packed, ap = torch.ops.kbit.repack(qweight, absmax, bits)
+    w64 = kf.dequantize(qweight, absmax, bits, cb, dtype=torch.float64)
+    return qweight, absmax, packed, ap, w64, cb
+
+
+def _rel_err(y, ref):
+    return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _check_gemm(n, k, bits, dtype, m, path=PATH_AUTO, bias=False, splits=0, seed=0):
+    _, _, packed, ap, w64, cb = _case(n, k, bits, seed)
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    b = torch.randn(n, device=DEV, dtype=dtype) if bias else None
+    _poison_allocator()
+    if path == PATH_AUTO and splits == 0:
+        y = torch.ops.kbit.gemm(x, packed, ap, cb, bits, n, k, b)
+    else:
+        y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, b, path, splits)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert torch.isfinite(y).all(), f"non-finite output (unwritten?) n={n} k={k} bits={bits} m={m} path={path}"
+    ref = x.double() @ w64.t()
+    if b is not None:
+        ref = ref + b.double()
+    err = _rel_err(y, ref)
+    assert err < TOL[dtype], f"rel err {err:.3e} n={n} k={k} bits={bits} {dtype} m={m} path={path} splits={splits}"
+    return x, y
+
+
+# ------------------------------------------------------------------------------ layout kernels
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("n,k", [(64, 64), (200, 96), (4104, 4128), (72, 1056)])
+def test_repack_bit_exact(bits, n, k):
+    qweight, absmax = _random_weight(n, k, bits, seed=n * 7 + k + bits)
+    packed, ap = torch.ops.kbit.repack(qweight, absmax, bits)
+    ref_p, ref_a = kl.repack_ref(qweight, absmax, bits)
+    assert packed.dtype == torch.int32 and ap.dtype == torch.uint8
+    assert torch.equal(packed, ref_p)
+    assert torch.equal(ap, ref_a)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dequantize_tiled_bit_exact(bits, dtype):
+    n, k = 200, 4128
+    qweight, absmax = _random_weight(n, k, bits, seed=bits)
+    cb = kf.normal_float_codebook(bits, DEV)
+    packed, ap = torch.ops.kbit.repack(qweight, absmax, bits)
+    w = torch.ops.kbit.dequantize_tiled(packed, ap, cb, bits, n, k, dtype)
+    assert torch.equal(w, kf.dequantize(qweight, absmax, bits, cb, dtype=dtype))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_quantize_bit_exact(bits, dtype):
+    n, k = 96, 4128
+    g = torch.Generator(device=DEV).manual_seed(bits)
+    # rows with scales from tiny (E4M4 subnormals / underflow) to large (near 31)
+    row_scale = torch.logspace(-6, 1, n, device=DEV).unsqueeze(1)
+    w = (torch.randn(n, k, generator=g, device=DEV) * row_scale).clamp(-30, 30)
+    w[0, :32] = 0                                      # all-zero block
+    w[1, :32] = 0; w[1, 0] = 1.03125                   # amax exactly between two E4M4 codes
+    w[2, :64] = torch.linspace(-1, 1, 64, device=DEV)  # many codebook midpoints
+    w = w.to(dtype)
+    cb = kf.normal_float_codebook(bits, DEV)
+    q, a = torch.ops.kbit.quantize(w, cb, bits)
+    q_ref, a_ref = kf.quantize(w, bits, cb)
+    assert torch.equal(a, a_ref)
+    assert torch.equal(q, q_ref)
+    # through the public wrapper (checks + underflow count) as well
+    q2, a2, _ = ops.quantize(w, bits)
+    assert torch.equal(q2, q_ref) and torch.equal(a2, a_ref)
+
+
+def test_quantize_custom_codebook():
+    bits = 3
+    cb = torch.tensor([-1.0, -0.5, -0.2, -0.05, 0.0, 0.1, 0.4, 0.9], device=DEV)
+    w = torch.randn(64, 256, device=DEV, dtype=torch.float16)
+    q, a = torch.ops.kbit.quantize(w, cb, bits)
+    q_ref, a_ref = kf.quantize(w, bits, cb)
+    assert torch.equal(q, q_ref) and torch.equal(a, a_ref)
+
+
+# ------------------------------------------------------------------------------ gemm
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemm_llama_square_all_m(bits, dtype):
+    """Every M of the list on 4096 x 4096, through the op's own dispatch; bias on odd M."""
+    for m in ALL_M:
+        _check_gemm(4096, 4096, bits, dtype, m, bias=bool(m % 2))
+
+
+@pytest.mark.parametrize("n,k", [(4096, 14336), (6144, 4096), (200, 96), (4104, 4128), (72, 1056)])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemm_shapes(n, k, bits, dtype):
+    ms = [1, 3, 8, 9, 16, 17, 64, 256] if n * k < 2 ** 25 else [1, 4, 16, 17, 256]
+    for i, m in enumerate(ms):
+        _check_gemm(n, k, bits, dtype, m, bias=bool(i % 2))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 5])
+def test_gemv_forced_splits(bits):
+    """The GEMV path with every split-K factor (cluster sizes 1..8) on awkward shapes."""
+    for n, k in [(4104, 4128), (200, 96), (72, 1056)]:
+        for splits in range(1, 9):
+            for m in (1, 9):
+                _check_gemm(n, k, bits, torch.float16, m, path=PATH_GEMV, splits=splits, bias=True)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_forced_paths(bits, dtype):
+    n, k = 4104, 4128
+    for m in (1, 5, 16):
+        _check_gemm(n, k, bits, dtype, m, path=PATH_GEMV, bias=True)
+    for m in (1, 17, 100):
+        _check_gemm(n, k, bits, dtype, m, path=PATH_DEQUANT, bias=True)
+    if torch.ops.kbit.has_mma():
+        for m in (1, 16, 17, 300):
+            _check_gemm(n, k, bits, dtype, m, path=PATH_MMA, bias=True)
+
+
+def test_gemm_new_input_new_result_and_deterministic():
+    n, k, bits = 4096, 4096, 4
+    for m in (1, 16, 64):
+        x1, y1 = _check_gemm(n, k, bits, torch.float16, m)
+        _, _, packed, ap, _, cb = _case(n, k, bits)
+        y1b = torch.ops.kbit.gemm(x1, packed, ap, cb, bits, n, k)
+        assert torch.equal(y1, y1b), "same input, different output: reduction is not deterministic"
+        x2, y2 = _check_gemm(n, k, bits, torch.float16, m)
+        assert not torch.equal(y1, y2)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+def test_cuda_graph_replay_equals_eager(m):
+    n, k, bits, dtype = 4104, 4128, 4, torch.bfloat16
+    _, _, packed, ap, _, cb = _case(n, k, bits)
+    bias = torch.randn(n, device=DEV, dtype=dtype)
+    x_static = torch.randn(m, k, device=DEV, dtype=dtype)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up off the capture stream
+        for _ in range(2):
+            torch.ops.kbit.gemm(x_static, packed, ap, cb, bits, n, k, bias)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = torch.ops.kbit.gemm(x_static, packed, ap, cb, bits, n, k, bias)
+    for _ in range(3):
+        x_new = torch.randn(m, k, device=DEV, dtype=dtype)
+        x_static.copy_(x_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = torch.ops.kbit.gemm(x_new, packed, ap, cb, bits, n, k, bias)
+        assert torch.equal(y_static, eager)
+
+
+def test_torch_compile():
+    n, k, bits, dtype = 4096, 4096, 4, torch.float16
+    _, _, packed, ap, w64, cb = _case(n, k, bits)
+
+    def layer(x):
+        return ops.gemm(x, packed, ap, cb, bits, n, k) * 2.0 + 1.0
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    for m in (1, 7, 64):
+        x = torch.randn(2, m, k, device=DEV, dtype=dtype)
+        y = compiled(x)
+        assert y.shape == (2, m, n)
+        torch.testing.assert_close(y, layer(x), rtol=1e-3, atol=1e-3)
+        ref = (x.double().reshape(-1, k) @ w64.t()) * 2.0 + 1.0
+        assert _rel_err(y.reshape(-1, n), ref) < TOL[dtype]
+
+
+# ------------------------------------------------------------------------------ checks
+
+def test_arch_check_message():
+    with pytest.raises(RuntimeError, match="compute capability 8.0"):
+        torch.ops.kbit.check_arch(7, 5)
+    torch.ops.kbit.check_arch(8, 0)
+    torch.ops.kbit.check_arch(9, 0)
+
+
+def test_bad_arguments_raise():
+    n, k, bits = 200, 96, 4
+    _, _, packed, ap, _, cb = _case(n, k, bits)
+    x = torch.randn(3, k, device=DEV, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.kbit.gemm(torch.randn(3, k + 32, device=DEV, dtype=torch.float16), packed, ap, cb, bits, n, k)
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        torch.ops.kbit.gemm(x.float(), packed, ap, cb, bits, n, k)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.kbit.gemm(torch.randn(k, 3, device=DEV, dtype=torch.float16).t(), packed, ap, cb, bits, n, k)
+    with pytest.raises(RuntimeError, match="tiled layout"):
+        torch.ops.kbit.gemm(x, packed[:-1], ap, cb, bits, n, k)
+    with pytest.raises(RuntimeError, match="codebook"):
+        torch.ops.kbit.gemm(x, packed, ap, cb[:-1], bits, n, k)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.kbit.gemm(x, packed, ap, cb, bits, n, k, torch.randn(n + 1, device=DEV, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="CUDA"):
+        torch.ops.kbit.gemm(x, packed.cpu(), ap, cb, bits, n, k)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.kbit.quantize(torch.randn(4, 48, device=DEV), cb, bits)
+    y = torch.ops.kbit.gemm(x[:0], packed, ap, cb, bits, n, k)
+    assert y.shape == (0, n)

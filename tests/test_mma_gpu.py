@@ -1,0 +1,174 @@
+"""Tensor-core kbit GEMM (csrc/kbit_mma.cuh) on the GPU, through torch.ops.kbit.gemm_path(path=2).
+
+Weights are random codebook indices and E4M4 codes in the checkpoint layout (format.py),
+tiled by kbit::repack, so the check covers repack + kernel end to end against a float64
+matmul of the dequantized weight: relative Frobenius error < 2e-3 (fp16) / 1e-2 (bf16).
+Every output element must be written: the block the op's output will land in is NaN-filled
+first (caching allocator), each case runs twice with fresh x and is compared both times,
+and the split-K cases are also rerun with the same x and compared bitwise (the reduction
+sums the k-chunks in a fixed order, so results are bitwise deterministic).
+The grid is sampled to stay well under 2 minutes on an H200: every M on one odd shape,
+subsets elsewhere; kbit::mma_plan asserts that both split-K and no-split plans are hit.
+"""
+import pytest
+import torch
+
+from vllm_kbit import format as kf
+
+pytestmark = pytest.mark.gpu
+
+MMA_PATH = 2
+ALL_M = [17, 31, 32, 33, 48, 64, 127, 128, 255, 256, 512, 1000, 1024, 4096]
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _have_mma():
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from vllm_kbit import ops
+        return ops.HAS_CUDA_KERNELS and bool(torch.ops.kbit.has_mma())
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
+if not _have_mma():
+    pytest.skip("needs a CUDA GPU and vllm_kbit._C with the tensor-core kernel", allow_module_level=True)
+
+
+_cache = {}
+
+
+def weight(n, k, bits, tiny=False):
+    """(packed, absmax_packed, codebook, W float64 [n, k]) for random indices and codes."""
+    key = (n, k, bits, tiny)
+    if key not in _cache:
+        _cache.clear()
+        g = torch.Generator(device="cuda").manual_seed(1000 * bits + n + 7 * k + tiny)
+        idx = torch.randint(0, 1 << bits, (n, k), generator=g, device="cuda").to(torch.uint8)
+        # realistic absmax 2^-4 .. 2^-1 (codes 0x70..0x9F); `tiny`: subnormal codes only,
+        # which the bf16 path turns into bf16 subnormal scales
+        lo, hi = (1, 16) if tiny else (0x70, 0xA0)
+        codes = torch.randint(lo, hi, (n, k // 32), generator=g, device="cuda").to(torch.uint8)
+        qweight = kf.pack_bitplanes(idx, bits)
+        packed, absmax = torch.ops.kbit.repack(qweight, codes, bits)
+        cb = kf.normal_float_codebook(bits, "cuda")
+        w = cb.double()[idx.long()] * kf.decode_e4m4(codes).double().repeat_interleave(32, dim=1)
+        _cache[key] = (packed, absmax, cb, w)
+    return _cache[key]
+
+
+def run(x, packed, absmax, cb, bits, n, k, bias=None):
+    # NaN-poison the block the op's output will be allocated from (same size, same stream).
+    poison = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
+    del poison
+    return torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, bias, MMA_PATH)
+
+
+def plan(m, n, k, bits):
+    cfg, tile_m, tile_n, splits, kps, items, grid, ws = torch.ops.kbit.mma_plan(m, n, k, bits)
+    return dict(cfg=cfg, tile_m=tile_m, tile_n=tile_n, splits=splits, kps=kps, items=items, grid=grid, ws=ws)
+
+
+def check(m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0):
+    packed, absmax, cb, w = weight(n, k, bits, tiny)
+    b = (torch.randn(n, device="cuda") * 0.5).to(dtype) if bias else None
+    outs = []
+    for _ in range(2):  # fresh x each time: a stale output from the last call cannot pass
+        x = (torch.randn(m, k, device="cuda") * x_scale).to(dtype)
+        y = run(x, packed, absmax, cb, bits, n, k, b)
+        ref = x.double() @ w.t()
+        if b is not None:
+            ref += b.double()
+        assert torch.isfinite(y).all(), f"non-finite output (unwritten?) m={m} n={n} k={k} bits={bits} {dtype}"
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < TOL[dtype], f"relative error {err:.3e} m={m} n={n} k={k} bits={bits} {dtype} plan={plan(m, n, k, bits)}"
+        outs.append((x, y))
+    return outs, (packed, absmax, cb, b)
+
+
+@pytest.mark.parametrize("m", ALL_M)
+def test_all_m_odd_shape(m):
+    # N = 4104: not a multiple of 64/256 (a partial 64-column unit and a partial CTA tile);
+    # K = 4128 = 32 * 129: the last K-tile holds one 32-block (x zero-filled past K).
+    check(m, 4104, 4128, 4, torch.float16, bias=(m % 2 == 1))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_bits_dtypes(bits, dtype):
+    for m in (33, 256):
+        check(m, 4104, 4128, bits, dtype, bias=True)
+    check(127, 200, 96, bits, dtype, bias=True)   # tiny N (one CTA, 4 units) and K = 3 blocks
+    check(1000, 4096, 4096, bits, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_subnormal_scales(dtype):
+    # Every block's absmax is an E4M4 subnormal (exponent field 0): a kernel that flushed
+    # subnormal scales would return zeros. x is scaled up so y stays well inside fp16 range.
+    check(48, 1000, 2080, 4, dtype, tiny=True, x_scale=256.0)
+
+
+@pytest.mark.parametrize("cfg,splits", [(0, 1), (0, 3), (1, 1), (1, 3), (2, 1), (2, 3)])
+def test_forced_configs(cfg, splits, monkeypatch):
+    # Every tile config with and without split-K, whatever the heuristic would pick
+    # (KBIT_MMA_FORCE is the launcher's debug override; mma_plan reports what it forces).
+    # M = 100: a row tail in the last m-tile of every config; N = 1000, K = 4128 (65 K-tiles,
+    # the last one half empty; with 3 splits the chunks are 22, 22, 21).
+    monkeypatch.setenv("KBIT_MMA_FORCE", f"{cfg},{splits}")
+    p = plan(100, 1000, 4128, 3)
+    assert (p["cfg"], p["splits"]) == (cfg, splits)
+    for bits, dtype in ((3, torch.float16), (5, torch.bfloat16)):
+        check(100, 1000, 4128, bits, dtype, bias=True)
+
+
+def test_split_k_plans_are_exercised():
+    assert plan(64, 4096, 4096, 4)["splits"] > 1
+    assert plan(33, 4104, 4128, 3)["splits"] > 1       # odd K-tile count, uneven last chunk
+    assert plan(4096, 4104, 4128, 4)["splits"] == 1
+    assert plan(1000, 4096, 4096, 4)["cfg"] == 2
+
+
+@pytest.mark.parametrize("m,n,k,bits,dtype", [
+    (64, 4096, 4096, 4, torch.float16),      # split-K
+    (33, 4104, 4128, 3, torch.bfloat16),     # split-K, odd K-tiles
+    (512, 4104, 4128, 5, torch.float16),
+    (4096, 4104, 4128, 2, torch.bfloat16),   # no split, many tiles per CTA
+])
+def test_deterministic(m, n, k, bits, dtype):
+    outs, (packed, absmax, cb, b) = check(m, n, k, bits, dtype, bias=True)
+    for x, y in outs:
+        y2 = run(x, packed, absmax, cb, bits, n, k, b)
+        assert torch.equal(y.view(torch.int16), y2.view(torch.int16)), "not bitwise deterministic"
+
+
+def test_auto_path_matches_forced():
+    # kbit::gemm's own dispatch gives the same bits as the forced MMA path above the GEMV limit.
+    m, n, k, bits = 300, 1000, 2048, 4
+    packed, absmax, cb, w = weight(n, k, bits)
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    if m <= torch.ops.kbit.gemv_max_m(bits):
+        pytest.skip("GEMV serves this M")
+    y_auto = torch.ops.kbit.gemm(x, packed, absmax, cb, bits, n, k, None)
+    y_mma = run(x, packed, absmax, cb, bits, n, k)
+    assert torch.equal(y_auto, y_mma)
+
+
+def test_cuda_graph_capture():
+    m, n, k, bits = 64, 4096, 4096, 4   # split-K: workspace + on-stream counter memset
+    packed, absmax, cb, w = weight(n, k, bits)
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    run(x, packed, absmax, cb, bits, n, k)  # warm up outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g):
+        y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, MMA_PATH)
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        ref = x.double() @ w.t()
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < TOL[torch.float16]
