@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -207,8 +208,9 @@ def main() -> None:
 def report(args, results) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
-             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                      cwd=HERE).stdout.strip(),
+             # the device machine gets the tree without .git: the caller passes the commit
+             "commit": os.environ.get("KBIT_GIT_COMMIT") or subprocess.run(
+                 ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip(),
              "command": " ".join(sys.argv), "shape": args.shape}
     tag = f"e2e_{args.shape}"
     (args.out / f"{tag}.json").write_text(json.dumps({**stamp, "results": results}, indent=2))
