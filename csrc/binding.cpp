@@ -3,9 +3,10 @@
 // are defined in Python (vllm_kbit/ops.py); this file registers their CUDA kernels and adds a
 // few C++-only ops for tests and benchmarks (TORCH_LIBRARY_FRAGMENT below).
 //
-// gemm picks its path from M inside the op (GEMV for M <= gemv_max_m(bits), else the
-// tensor-core kernel), with no host sync and a grid that depends on shapes only, so it can be
-// captured in a CUDA graph and is opaque to torch.compile.
+// gemm picks its path from M inside the op (GEMV for M <= gemv_max_m(bits), the tensor-core
+// kernel below dequant_min_m(bits), dequantize + cuBLAS from there; see kbit_ops.h), with no
+// host sync and a grid that depends on shapes only, so it can be captured in a CUDA graph
+// and is opaque to torch.compile.
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -227,7 +228,9 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const at::Tensor* bias = bias_opt.has_value() && bias_opt->defined() ? &*bias_opt : nullptr;
   const void* bias_ptr = bias != nullptr ? bias->data_ptr() : nullptr;
   const bool automatic = path == kAuto;
-  if (automatic) path = a.m <= gemv_max_m(int(bits)) ? kGemv : (kHasMma ? kMma : kDequant);
+  if (automatic)
+    path = a.m <= gemv_max_m(int(bits)) ? kGemv
+           : (kHasMma && a.m < dequant_min_m(int(bits))) ? kMma : kDequant;
   TORCH_CHECK(path >= kGemv && path <= kDequant, msg("kbit::gemm_path: path must be 0..3, got ", path));
   TORCH_CHECK(path != kGemv || a.m <= kGemvMaxM, msg("kbit::gemm_path: the GEMV path serves M <= ", kGemvMaxM,
               ", got M = ", a.m));
@@ -301,6 +304,11 @@ int64_t gemv_max_m_op(int64_t bits) {
   return gemv_max_m(int(bits));
 }
 
+int64_t dequant_min_m_op(int64_t bits) {
+  check_bits(bits);
+  return dequant_min_m(int(bits));
+}
+
 bool has_mma_op() { return kHasMma; }
 
 // ---- BEGIN MMA plan hook (owner: tensor-core kernel, csrc/kbit_mma.cu) ----
@@ -331,6 +339,7 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
         "ScalarType dtype) -> Tensor");
   m.def("check_arch(int major, int minor) -> ()", &kbit::check_arch_op);
   m.def("gemv_max_m(int bits) -> int", &kbit::gemv_max_m_op);
+  m.def("dequant_min_m(int bits) -> int", &kbit::dequant_min_m_op);
   m.def("has_mma() -> bool", &kbit::has_mma_op);
   m.def("mma_plan(int m, int n, int k, int bits) -> int[]", &kbit::mma_plan_op);  // MMA plan hook
 }

@@ -24,10 +24,16 @@ enum class DType { kHalf, kBFloat16, kFloat32 };
 // Largest M the GEMV path serves (its MMA-fed kernel handles up to two n8 tiles of x rows).
 constexpr int kGemvMaxM = 16;
 
-// GEMV for M <= gemv_max_m(bits) is what `gemm` picks when the caller does not force a
-// path; above it the tensor-core kernel (launch_mma) or dequant + cuBLAS. Measured on the
-// H200 by benchmarks/bench_gemm.py (see docs in that file / the report).
+// `gemm`'s own choice when the caller does not force a path (H200 measurements by
+// benchmarks/bench_gemm.py, 2026-11-21, results in benchmarks/results/):
+//   M <= gemv_max_m(bits)                    GEMV (faster than the mma kernel at every M <= 16);
+//   gemv_max_m < M < dequant_min_m(bits)     the mma.sync tensor-core kernel;
+//   M >= dequant_min_m(bits)                 dequantize row chunks to scratch + cuBLAS. The mma
+//     kernel runs at 1.9-2.6x cuBLAS fp16's time from M = 256 up, while one dequantize pass
+//     (0.53 B read + 2 B written per weight) costs well under cuBLAS's time there.
+constexpr int kDequantMinM = 512;
 inline int gemv_max_m(int /*bits*/) { return kGemvMaxM; }
+inline int dequant_min_m(int /*bits*/) { return kDequantMinM; }
 
 // checkpoint (qweight int32 [N, K/32*bits], absmax uint8 [N, K/32]) -> tiled layout.
 // packed: n_units(N) * k_units(K) * bits * 128 words; absmax_packed: n_units * k_units * 128 B.

@@ -176,6 +176,22 @@ def test_forced_paths(bits, dtype):
             _check_gemm(n, k, bits, dtype, m, path=PATH_MMA, bias=True)
 
 
+@pytest.mark.parametrize("bits", [2, 5])
+def test_auto_dispatch_thresholds(bits):
+    """kbit::gemm's own choice around each threshold gives the bits of the path it names."""
+    n, k = 1000, 2048
+    _, _, packed, ap, _, cb = _case(n, k, bits)
+    g, d = torch.ops.kbit.gemv_max_m(bits), torch.ops.kbit.dequant_min_m(bits)
+    cases = [(g, PATH_GEMV), (d, PATH_DEQUANT)]
+    if torch.ops.kbit.has_mma():
+        cases += [(g + 1, PATH_MMA), (d - 1, PATH_MMA)]
+    for m, path in cases:
+        x = torch.randn(m, k, device=DEV, dtype=torch.float16)
+        auto = torch.ops.kbit.gemm(x, packed, ap, cb, bits, n, k)
+        forced = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, path, 0)
+        assert torch.equal(auto, forced), f"M={m}: auto dispatch is not path {path}"
+
+
 def test_gemm_new_input_new_result_and_deterministic():
     n, k, bits = 4096, 4096, 4
     for m in (1, 16, 64):
@@ -187,7 +203,7 @@ def test_gemm_new_input_new_result_and_deterministic():
         assert not torch.equal(y1, y2)
 
 
-@pytest.mark.parametrize("m", [1, 4, 16, 64])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256])  # 256: dequantize + cuBLAS, scratch in the graph pool
 def test_cuda_graph_replay_equals_eager(m):
     n, k, bits, dtype = 4104, 4128, 4, torch.bfloat16
     _, _, packed, ap, _, cb = _case(n, k, bits)
