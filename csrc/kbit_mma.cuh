@@ -20,10 +20,10 @@
 //     per (column, block, K-tile) with a prmt and a shift (E4M4(c) == 16 * fp16_from_bits(c
 //     << 6); bf16: E4M4(c) == 2^116 * bf16_from_bits(c << 3)), the constant folded into the
 //     codebook registers, so a weight is codebook * scale with a single rounding.
-//   * 6-stage cp.async pipeline, 4 K-tiles ahead, handed between warps with per-stage
-//     mbarriers (cp.async completion arrives on "full", warps release "empty"), no CTA-wide
-//     barrier in the K loop; it runs straight across work items (the next tile's first
-//     K-tiles are in flight during the epilogue).
+//   * 6-stage cp.async pipeline, 4 K-tiles ahead, one cp.async wait + __syncthreads per two
+//     K-tiles (KBIT_MMA_MBAR=1 instead hands stages between warps with per-stage mbarriers:
+//     faster at M = 64, but not racecheck-clean, see below); it runs straight across work
+//     items (the next tile's first K-tiles are in flight during the epilogue).
 //   * persistent grid over (m-tile, n-tile, k-chunk) work items in an L2-friendly grouped
 //     order (seed 004); split-K with a deterministic reduction: every k-chunk writes its fp32
 //     partial (fragment order, coalesced) to the workspace, the last one to arrive (per-tile
@@ -33,8 +33,9 @@
 //     fitted on the H200 (make_plan), with the split-K factor.
 //
 // Where it stands (H200, fp16, K = 4, benchmarks/bench_gemm.py): ~300-320 TFLOP/s at large M,
-// 1.14-1.23x Marlin-g128's time and 2.1-2.5x the faster of cuBLAS fp16 / Machete at M = 4096;
-// at M = 64 1.2-1.7x Marlin's time. The mma.sync skeleton itself (dequant compiled out) reaches
+// 1.14-1.23x Marlin-g128's time and 2.1-2.5x the faster of cuBLAS fp16 / Machete at M = 4096,
+// so kbit::gemm serves M >= 512 with dequantize + cuBLAS instead (kbit_ops.h); at M = 64
+// 1.4-1.8x Marlin's time. The mma.sync skeleton itself (dequant compiled out) reaches
 // only ~335 TFLOP/s: 128 accumulators per thread leave 2 warps per scheduler, and ~5
 // instructions per HMMA (ldmatrix, shuffles, index math) keep the tensor pipe about half busy
 // (ncu: stalls on fixed-latency dependencies, then tensor-pipe throttle). Reaching cuBLAS needs
