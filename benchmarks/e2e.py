@@ -156,6 +156,9 @@ def worker(args) -> None:
 CONFIGS = {
     "bf16": dict(load_format="dummy"),
     "gptq4": dict(gptq=True),
+    # the same GPTQ checkpoint with dummy loading (uninitialised integer tensors): the setup
+    # that once showed no gain over bf16
+    "gptq4_dummy": dict(gptq=True, load_format="dummy"),
     **{f"kbit{b}": dict(load_format="dummy", quantization="kbit", bits=b) for b in (2, 3, 4, 5)},
 }
 
