@@ -19,7 +19,6 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
-#include <vector>
 
 #include "kbit_ops.h"
 
@@ -36,7 +35,6 @@ enum Path : int64_t { kAuto = 0, kGemv = 1, kMma = 2, kDequant = 3 };
 // up from this .so's own template instance; backtrace in the report). c10::str of a single
 // std::string, which TORCH_CHECK then does, takes no ostream path.
 void append(std::string& s, const char* v) { s += v; }
-void append(std::string& s, const std::string& v) { s += v; }
 void append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
 void append(std::string& s, const c10::Device& v) { s += v.str(); }
 void append(std::string& s, at::IntArrayRef v) {
@@ -246,11 +244,7 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
                                         codebook.data_ptr<float>(), bias_ptr, y.data_ptr(),
                                         ws_bytes ? ws.data_ptr() : nullptr, int(a.m), int(a.n), int(a.k), int(bits),
                                         num_sms, stream, int(splits));
-    // cudaErrorNotSupported: this GPU's shared memory is too small for the GEMV ring
-    if (err == cudaErrorNotSupported && automatic)
-      path = kHasMma ? kMma : kDequant;
-    else
-      check_cuda(err, "gemm (gemv)");
+    check_cuda(err, "gemm (gemv)");
   }
   if (path == kMma) {
     const size_t ws_bytes = mma_workspace_bytes(int(a.m), int(a.n), int(a.k), int(bits), num_sms);

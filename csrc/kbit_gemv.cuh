@@ -349,6 +349,10 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 2 : 1) gemv_kernel(const P
   cg::cluster_group cluster = cg::this_cluster();
   if (splits > 1) cluster.sync(); else __syncthreads();
 #else
+  // The host picks splits > 1 from the device's compute capability; code built from pre-sm_90
+  // PTX running on Hopper would get them without the cluster reduction: fail loudly instead
+  // of writing one split's partial sums.
+  if (splits > 1) __trap();
   __syncthreads();
 #endif
   // CTA `split` of the cluster finishes elements [e0, e1) of the slab's kAcc * 32

@@ -35,7 +35,7 @@
 // Where it stands (H200, fp16, K = 4, benchmarks/bench_gemm.py): ~300-320 TFLOP/s at large M,
 // 1.14-1.23x Marlin-g128's time and 2.1-2.5x the faster of cuBLAS fp16 / Machete at M = 4096,
 // so kbit::gemm serves M >= 512 with dequantize + cuBLAS instead (kbit_ops.h); at M = 64
-// 1.4-1.8x Marlin's time. The mma.sync skeleton itself (dequant compiled out) reaches
+// 1.2-1.8x Marlin's time. The mma.sync skeleton itself (dequant compiled out) reaches
 // only ~335 TFLOP/s: 128 accumulators per thread leave 2 warps per scheduler, and ~5
 // instructions per HMMA (ldmatrix, shuffles, index math) keep the tensor pipe about half busy
 // (ncu: stalls on fixed-latency dependencies, then tensor-pipe throttle). Reaching cuBLAS needs

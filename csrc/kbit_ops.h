@@ -29,9 +29,10 @@ constexpr int kGemvMaxM = 16;
 //   M <= gemv_max_m(bits)                    GEMV (faster than the mma kernel at every M <= 16);
 //   gemv_max_m < M < dequant_min_m(bits)     the mma.sync tensor-core kernel;
 //   M >= dequant_min_m(bits)                 dequantize row chunks to scratch + cuBLAS. At K=4,
-//     M = 256 the mma kernel wins on all six benchmark shapes, at M = 512 each wins on three
-//     (within 15%), from M = 1024 dequantize + cuBLAS is 1.2-1.7x faster (the mma kernel runs
-//     at 2-2.5x cuBLAS's time there; one dequantize pass is 0.53 B read + 2 B written a weight).
+//     M = 256 the mma kernel wins on all six benchmark shapes (by 1.05-1.9x), at M = 512 each
+//     wins on three (mma by up to 1.16x, dequantize + cuBLAS by up to 1.46x), from M = 1024
+//     dequantize + cuBLAS wins everywhere (the mma kernel takes 2.2-2.8x the time of the faster
+//     of cuBLAS / Machete there; one dequantize pass is 0.53 B read + 2 B written a weight).
 constexpr int kDequantMinM = 512;
 inline int gemv_max_m(int /*bits*/) { return kGemvMaxM; }
 inline int dequant_min_m(int /*bits*/) { return kDequantMinM; }

@@ -184,7 +184,7 @@ def test_existing_dst_needs_overwrite(llama, tmp_path):
 
 
 def test_ignore_exact_and_regex(llama, tmp_path):
-    exact = "model.layers.0.self_attn.q_proj"
+    exact = "model.layers.0.self_attn.o_proj"
     regex = r"re:model\.layers\.1\.mlp\..*"
     report = convert(llama, tmp_path / "out", 3, ignore=[exact, regex], progress=False)
     src_t, out_t = load_checkpoint(llama), load_checkpoint(tmp_path / "out")
@@ -198,6 +198,16 @@ def test_ignore_exact_and_regex(llama, tmp_path):
     assert sorted(report.quantized) == sorted(f"{m}.weight" for m in set(LINEARS) - ignored)
     ignore = quant_config(tmp_path / "out")["ignore"]
     assert {"lm_head", exact, regex} <= set(ignore)
+
+
+def test_partial_ignore_of_a_fused_group_is_refused(llama, tmp_path):
+    # vLLM loads q/k/v into one qkv_proj layer: half-quantized, it could not load the checkpoint
+    with pytest.raises(ConversionError, match=r"self_attn.q_proj would stay unquantized .* qkv|ignore all of them"):
+        convert(llama, tmp_path / "out", 4, ignore=["model.layers.0.self_attn.q_proj"], progress=False)
+    assert not (tmp_path / "out").exists()
+    group = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    report = convert(llama, tmp_path / "out", 4, ignore=group, progress=False)
+    assert all(f"{m}.weight" in report.skipped for m in group)
 
 
 def test_in_features_not_multiple_of_32_left_unquantized(tmp_path, capsys):

@@ -264,8 +264,31 @@ def _select(linears: dict, shapes: dict, user_ignore: list[str], report: Convers
     for p in user_ignore:
         if p not in used:
             _note(f"ignore pattern {p!r} matches no linear layer")
+    _check_fused_groups(linears, selected)
     report.ignore = list(dict.fromkeys([*patterns, *auto_ignore]))
     return selected
+
+
+# Checkpoint linears that vLLM fuses into one layer (its models' packed_modules_mapping:
+# qkv_proj, gate_up_proj). vLLM needs one scheme per fused layer.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _check_fused_groups(linears: dict, selected: set[str]) -> None:
+    for mod_name in linears:
+        parent, _, leaf = mod_name.rpartition(".")
+        for group in FUSED_GROUPS:
+            if leaf != group[0]:
+                continue
+            members = [f"{parent}.{g}" if parent else g for g in group]
+            members = [m for m in members if m in linears]
+            quantized = {m: f"{m}.weight" in selected for m in members}
+            if len(set(quantized.values())) > 1:
+                kept = [m for m, q in quantized.items() if not q]
+                raise ConversionError(
+                    f"{', '.join(kept)} would stay unquantized but {', '.join(m for m in members if m not in kept)} "
+                    f"would not: vLLM fuses {', '.join(members)} into one layer, which needs one scheme; "
+                    f"ignore all of them or none")
 
 
 # ----------------------------------------------------------------------------- writing DST
@@ -401,6 +424,8 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     to_quantize = _select(linears, shapes, user_ignore, report)
     report.unmapped_2d = [n for n, s in shapes.items() if len(s) == 2 and n.endswith(".weight")
                           and n[:-len(".weight")] not in linears and "embed" not in n]
+    # copied unquantized: if vLLM builds a linear layer for one, it must not expect kbit tensors
+    report.ignore += [n[:-len(".weight")] for n in report.unmapped_2d if n[:-len(".weight")] not in report.ignore]
 
     items = []
     for f, h in headers.items():

@@ -57,9 +57,11 @@ class KbitLinearMethod(LinearMethodBase):
         loader = extra_weight_attrs["weight_loader"]
 
         if layer.kbit_mode == "online":
+            # The float weight stays on the GPU until process_weights_after_loading: peak memory
+            # is the float model's (README).
             layer.register_parameter("weight", ModelWeightParameter(
                 data=torch.empty(n, k, dtype=params_dtype), input_dim=1, output_dim=0,
-                weight_loader=loader))
+                weight_loader=self._checked_loader(layer, "weight", loader, None, input_size)))
             return
         layer.register_parameter("qweight", PackedvLLMParameter(
             data=torch.empty(n, k // kf.BLOCK_SIZE * bits, dtype=torch.int32),
@@ -77,14 +79,15 @@ class KbitLinearMethod(LinearMethodBase):
         full = f"{self.prefix}.{name}"
 
         def load(param, loaded_weight: torch.Tensor, *args, **kwargs):
-            if loaded_weight.dtype != dtype:
+            if dtype is not None and loaded_weight.dtype != dtype:
                 raise ValueError(f"kbit: {full} must be {dtype}, the checkpoint has {loaded_weight.dtype}")
             if loaded_weight.dim() != 2 or loaded_weight.shape[1] != cols:
                 raise ValueError(
                     f"kbit: {full} has shape {tuple(loaded_weight.shape)}; expected [rows, {cols}] "
                     f"for bits={self.config.bits} (is the checkpoint's `bits` right?)")
             shard = args[0] if args else kwargs.get("loaded_shard_id")
-            layer.kbit_loaded.setdefault(name, set()).add(shard)
+            # some models load several shards of a merged layer at once: shard id (0, 1, 2)
+            layer.kbit_loaded.setdefault(name, set()).update(shard if isinstance(shard, tuple) else (shard,))
             return loader(param, loaded_weight, *args, **kwargs)
 
         return load
@@ -92,15 +95,16 @@ class KbitLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         bits, cb = self.config.bits, self.config.codebook
         if layer.kbit_mode == "online":
+            self._check_all_loaded(layer, ("weight",))
             qweight, absmax, _ = ops.quantize(layer.weight.data, bits, cb, name=f"{self.prefix}.weight")
             del layer.weight
         else:
             qweight, absmax = layer.qweight.data, layer.absmax.data
             if layer.kbit_mode == "dummy":
-                qweight.random_()  # int32 random_ covers every bit pattern
+                qweight.random_(-2**31, 2**31)  # every bit pattern (plain random_() never sets bit 31)
                 absmax.random_(_DUMMY_CODE_LO, _DUMMY_CODE_HI + 1)
             else:
-                self._check_all_loaded(layer)
+                self._check_all_loaded(layer, ("qweight", "absmax"))
         packed, absmax_packed = ops.repack(qweight, absmax, bits)
         for name, t in (("qweight", packed), ("absmax", absmax_packed)):
             if hasattr(layer, name):
@@ -109,8 +113,8 @@ class KbitLinearMethod(LinearMethodBase):
                 layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
         layer.register_buffer("kbit_codebook", cb.to(packed.device), persistent=False)
 
-    def _check_all_loaded(self, layer) -> None:
-        for name in ("qweight", "absmax"):
+    def _check_all_loaded(self, layer, names) -> None:
+        for name in names:
             shards = layer.kbit_loaded.get(name, set())
             if None not in shards and len(shards) < layer.kbit_expected_shards:
                 got = sorted(map(str, shards)) or "none"

@@ -13,6 +13,8 @@ as opaque and hand it back to `gemm` unchanged.
 """
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 
 import torch
@@ -28,10 +30,15 @@ _lib.define("quantize(Tensor weight, Tensor codebook, int bits) -> (Tensor, Tens
 HAS_CUDA_KERNELS = False
 if os.environ.get("VLLM_KBIT_REFERENCE", "0") != "1":
     try:  # registers the CUDA kernels for the schemas above
-        from vllm_kbit import _C  # noqa: F401
+        importlib.import_module("vllm_kbit._C")
         HAS_CUDA_KERNELS = True
-    except ImportError:
-        pass
+    except ModuleNotFoundError as e:  # not built (CPU install): the reference serves
+        if e.name != "vllm_kbit._C":
+            raise
+    if not HAS_CUDA_KERNELS and torch.cuda.is_available():
+        logging.getLogger(__name__).warning(
+            "vllm_kbit: CUDA is available but the extension vllm_kbit._C is not built; kbit layers "
+            "run the slow PyTorch reference (pip install --no-build-isolation -e . builds it)")
 
 
 # ----------------------------------------------------------------------------- reference path
@@ -86,6 +93,8 @@ def repack(qweight: torch.Tensor, absmax: torch.Tensor, bits: int) -> tuple[torc
 def gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
          bits: int, n: int, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [..., k]; the GEMV / tensor-core choice is made inside."""
+    if x.shape[-1] != k:
+        raise ValueError(f"kbit gemm: x has {x.shape[-1]} features in its last dim, the layer expects k = {k}")
     y = torch.ops.kbit.gemm(x.reshape(-1, k).contiguous(), packed, absmax, codebook, bits, n, k, bias)
     return y.reshape(*x.shape[:-1], n)
 
@@ -97,5 +106,7 @@ def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = No
     KbitFormatError naming `name` (see format.check_quantizable)."""
     cb = kf.normal_float_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
     underflow = kf.check_quantizable(weight, name)
+    if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        weight = weight.float()  # e.g. float64: the kernels take 16/32-bit floats
     q, a = torch.ops.kbit.quantize(weight.contiguous(), cb.to(weight.device), bits)
     return q, a, underflow

@@ -1,0 +1,2 @@
+#pragma once
+typedef struct cusolverDnContext* cusolverDnHandle_t;

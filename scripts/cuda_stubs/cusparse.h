@@ -1,0 +1,3 @@
+#pragma once
+typedef struct cusparseContext* cusparseHandle_t;
+typedef int cusparseStatus_t;
