@@ -274,6 +274,17 @@ def test_online_quantization_of_a_float_checkpoint(kind):
     assert rel_err(forward(layer, x), x.double() @ w_hat.t()) < 1e-2
 
 
+def test_online_quantization_reports_a_missing_shard():
+    cfg = KbitConfig()
+    cfg.packed_modules_mapping = PACKED
+    layer = QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, bias=False, quant_config=cfg, params_dtype=torch.bfloat16,
+                              prefix="model.layers.0.self_attn.qkv_proj")
+    for s, rows in (("q", HEADS * HEAD), ("k", KV_HEADS * HEAD)):  # no v
+        layer.weight.weight_loader(layer.weight, torch.randn(rows, HIDDEN).to(torch.bfloat16), s)
+    with pytest.raises(ValueError, match=r"qkv_proj\.weight is missing from the checkpoint"):
+        layer.quant_method.process_weights_after_loading(layer)
+
+
 def test_dummy_load_fills_valid_kbit_weights():
     vc = VllmConfig()
     vc.load_config.load_format = "dummy"
