@@ -319,3 +319,24 @@ def test_cli_errors_are_one_line(llama, tmp_path, capsys, args, message):
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
     assert message in err, err
     assert not (tmp_path / "out").exists() and os.listdir(tmp_path / "existing") == []
+
+
+def test_unmapped_2d_weights_are_copied_and_listed_in_ignore(tmp_path):
+    # A 2-D weight that no module of the architecture owns (e.g. after a key rename) is copied
+    # as is; it must also be in the config's ignore list, or vLLM would expect kbit tensors.
+    from safetensors.torch import load_file, save_file
+    src = _tiny_llama(tmp_path / "src", SEED + 2)
+    index_path = src / INDEX_NAME
+    index = json.loads(index_path.read_text())
+    shard = src / sorted(set(index["weight_map"].values()))[0]
+    tensors = load_file(shard)
+    extra = "model.layers.0.mlp.extra_proj.weight"
+    tensors[extra] = torch.randn(64, 64, generator=torch.Generator().manual_seed(SEED)).to(torch.bfloat16)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index["weight_map"][extra] = shard.name
+    index["metadata"]["total_size"] += tensors[extra].numel() * tensors[extra].element_size()
+    index_path.write_text(json.dumps(index))
+    report = convert(src, tmp_path / "out", 4, progress=False)
+    assert extra in report.unmapped_2d
+    assert "model.layers.0.mlp.extra_proj" in quant_config(tmp_path / "out")["ignore"]
+    assert same_bytes(load_checkpoint(src)[extra], load_checkpoint(tmp_path / "out")[extra])
