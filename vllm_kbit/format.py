@@ -130,7 +130,7 @@ def pack_bitplanes(indices: torch.Tensor, bits: int) -> torch.Tensor:
     check_bits(bits)
     idx = indices.reshape(*indices.shape[:-1], -1, 1, BLOCK_SIZE).to(torch.int64)
     planes = (idx >> torch.arange(bits, device=idx.device).view(bits, 1)) & 1      # [..., nb, bits, 32]
-    words = (planes << _shifts(idx.device)).sum(-1)                             # [..., nb, bits] in [0, 2^32)
+    words = (planes << _shifts(idx.device)).sum(-1)                                # [..., nb, bits] in [0, 2^32)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
     return words.reshape(*indices.shape[:-1], -1)
 
@@ -139,7 +139,7 @@ def unpack_bitplanes(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [..., nblocks*bits] -> uint8 indices [..., nblocks*32]."""
     check_bits(bits)
     w = words.reshape(*words.shape[:-1], -1, bits, 1).to(torch.int64) & 0xFFFFFFFF
-    planes = (w >> _shifts(w.device)) & 1                                      # [..., nb, bits, 32]
+    planes = (w >> _shifts(w.device)) & 1                                          # [..., nb, bits, 32]
     idx = (planes << torch.arange(bits, device=w.device).view(bits, 1)).sum(-2)    # [..., nb, 32]
     return idx.to(torch.uint8).reshape(*words.shape[:-1], -1)
 
@@ -181,8 +181,15 @@ def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = No
     ties (the rule the CUDA quantize kernel follows); checks as check_quantizable."""
     check_bits(bits)
     check_quantizable(weight, name)
+    cb = normal_float_codebook(bits) if codebook is None else check_codebook(codebook, bits)
+    return quantize_checked(weight, bits, cb)
+
+
+def quantize_checked(weight: torch.Tensor, bits: int, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` for input its caller has validated (bits, codebook, check_quantizable), as
+    ops.quantize does before it dispatches: the checks read the whole weight, once is enough."""
     n, k = weight.shape
-    cb = (normal_float_codebook(bits) if codebook is None else check_codebook(codebook, bits)).to(weight.device)
+    cb = codebook.to(weight.device, torch.float32)
     blocks = weight.to(torch.float32).reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
     codes = encode_e4m4(blocks.abs().amax(-1))
     scale = decode_e4m4(codes)

@@ -55,7 +55,8 @@ def _gemm_ref(x, packed, absmax, codebook, bits, n, k, bias=None):
 
 
 def _quantize_ref(weight, codebook, bits):
-    return kf.quantize(weight, bits, codebook)
+    # like the CUDA kernel, the op leaves input checks to its caller (ops.quantize)
+    return kf.quantize_checked(weight, bits, codebook)
 
 
 _REF_KEYS = ["CPU"] if HAS_CUDA_KERNELS else ["CPU", "CUDA"]
