@@ -5,12 +5,13 @@ Machete), and kbit K = 2..5, each in its own engine process, same method for all
               as `vllm bench latency` does (random token ids, median of --iters after a warm-up);
   throughput  --num-prompts prompts of 512 -> 256 tokens, submitted at once (`vllm bench throughput`).
 
-    python3 benchmarks/e2e.py --workdir /tmp/e2e [--configs bf16,gptq4,kbit4] [--num-prompts 1000]
+    python3 benchmarks/e2e.py --workdir /tmp/e2e [--configs bf16,gptq4,kbit4] [--num-prompts 1000] [--tag NAME]
 
 Weights: bf16 and kbit use --load-format dummy (kbit fills random *valid* kbit weights); GPTQ
 gets a real checkpoint with valid packed 4-bit weights (round-to-nearest, group 128, written
-here), because dummy loading leaves integer tensors uninitialised. Results: JSON + markdown
-table + PNG in benchmarks/results/.
+here), because dummy loading leaves integer tensors uninitialised (gptq4_dummy: that setup, for
+comparison). Results: JSON + markdown table + PNG in benchmarks/results/ (--out), named
+e2e_SHAPE.* unless --tag names them.
 """
 from __future__ import annotations
 
@@ -54,14 +55,18 @@ def write_model_dir(dst: Path, shape: dict) -> Path:
     return dst
 
 
-def write_gptq_dir(base: Path, dst: Path, group: int = 128) -> Path:
+def write_gptq_dir(base: Path, dst: Path, group: int = 128, weights: bool = True) -> Path:
     """A GPTQ (AutoGPTQ v1, sym, 4-bit, g128, no act-order) checkpoint with valid packed weights:
-    round-to-nearest of N(0, 0.02) weights, generated layer by layer on the GPU."""
+    round-to-nearest of N(0, 0.02) weights, generated layer by layer on the GPU. weights=False
+    writes its config.json and tokenizer only: all that --load-format dummy reads."""
     from safetensors.torch import save_file
     if (dst / "config.json").exists():
         return dst
     dst.mkdir(parents=True)
     cfg = json.loads((base / "config.json").read_text())
+    if not weights:
+        _write_gptq_config(base, dst, cfg, group)
+        return dst
     h, inter, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
     shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
@@ -94,6 +99,11 @@ def write_gptq_dir(base: Path, dst: Path, group: int = 128) -> Path:
               metadata={"format": "pt"})
     index.update({t: "model-emb.safetensors" for t in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")})
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    _write_gptq_config(base, dst, cfg, group)
+    return dst
+
+
+def _write_gptq_config(base: Path, dst: Path, cfg: dict, group: int) -> None:
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
                                   "sym": True, "checkpoint_format": "gptq"}
     cfg["dtype"] = "float16"
@@ -101,7 +111,6 @@ def write_gptq_dir(base: Path, dst: Path, group: int = 128) -> Path:
     for f in base.iterdir():
         if f.name.startswith("tokenizer") or f.name == "generation_config.json":
             (dst / f.name).write_bytes(f.read_bytes())
-    return dst
 
 
 def worker(args) -> None:
@@ -132,6 +141,7 @@ def worker(args) -> None:
     out = {"quantization": vc.model_config.quantization, "startup_s": startup,
            "kv_cache_tokens": (vc.cache_config.num_gpu_blocks or 0) * vc.cache_config.block_size,
            "gpu_mem_used_gib": (torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]) / 2**30}
+    print("E2E_PARTIAL " + json.dumps(out), flush=True)  # what is measured so far survives a timeout
     lat_sp = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0.0)
     for bs in (1, 16):
         batch = prompts(bs, 128)
@@ -142,6 +152,7 @@ def worker(args) -> None:
             llm.generate(batch, lat_sp, use_tqdm=False)
             times.append(time.perf_counter() - t)
         out[f"latency_bs{bs}_s"] = float(np.median(times))
+        print("E2E_PARTIAL " + json.dumps(out), flush=True)
     if args.num_prompts:
         batch = prompts(args.num_prompts, 512)
         sp = SamplingParams(max_tokens=256, ignore_eos=True, temperature=1.0)
@@ -171,6 +182,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--tag", help="stem of the result files (default e2e_SHAPE)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--quantization", help=argparse.SUPPRESS)
@@ -187,7 +199,11 @@ def main() -> None:
         c = CONFIGS[name]
         model, extra = base, []
         if c.get("gptq"):
-            model, extra = write_gptq_dir(base, args.workdir / f"llama-{args.shape}-gptq4"), ["--dtype", "float16"]
+            # dummy loading reads no weights: its folder needs the config (and tokenizer) alone
+            dummy = c.get("load_format") == "dummy"
+            model = write_gptq_dir(base, args.workdir / f"llama-{args.shape}-gptq4{'-config' if dummy else ''}",
+                                   weights=not dummy)
+            extra = ["--dtype", "float16"]
         if c.get("load_format"):
             extra += ["--load-format", c["load_format"]]
         if c.get("quantization"):
@@ -195,14 +211,22 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--iters", str(args.iters),
                "--num-prompts", str(args.num_prompts), *extra]
         print("$", " ".join(cmd), flush=True)
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        line = next((l for l in p.stdout.splitlines() if l.startswith("E2E_RESULT ")), None)
+        # stdout and stderr together, streamed: E2E_PARTIAL lines show up as they are measured
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        lines = []
+        for l in p.stdout:
+            lines.append(l.rstrip("\n"))
+            if l.startswith("E2E_PARTIAL "):
+                print(f"  {name}: {l[len('E2E_PARTIAL '):].rstrip()}", flush=True)
+        p.wait()
+        line = next((l for l in lines if l.startswith("E2E_RESULT ")), None)
         if line is None:
-            print(p.stdout[-3000:], p.stderr[-6000:])
-            results[name] = {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "no result"}
+            print("\n".join(lines)[-8000:])
+            errors = [l for l in lines if "Error" in l]
+            results[name] = {"error": (errors or [l for l in lines if l.strip()] or ["no result"])[-1].strip()}
             continue
         results[name] = json.loads(line[len("E2E_RESULT "):])
-        kernel = [l for l in p.stdout.splitlines() + p.stderr.splitlines() if "Using" in l and "Kernel" in l]
+        kernel = [l for l in lines if "Using" in l and "Kernel" in l]
         results[name]["kernel_log"] = kernel[:2]
         print(name, results[name], flush=True)
     report(args, results)
@@ -215,7 +239,7 @@ def report(args, results) -> None:
              "commit": os.environ.get("KBIT_GIT_COMMIT") or subprocess.run(
                  ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip(),
              "command": " ".join(sys.argv), "shape": args.shape}
-    tag = f"e2e_{args.shape}"
+    tag = args.tag or f"e2e_{args.shape}"
     (args.out / f"{tag}.json").write_text(json.dumps({**stamp, "results": results}, indent=2))
     rows = ["| config | bs=1 latency (s) | bs=16 latency (s) | throughput (req/s) | KV tokens | GPU mem (GiB) |",
             "| --- | --- | --- | --- | --- | --- |"]

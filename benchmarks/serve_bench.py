@@ -12,6 +12,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,15 +41,49 @@ def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 600) -> No
     raise TimeoutError("vllm serve did not become healthy")
 
 
+def gpu_mem_used_mib() -> int:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout.split()
+    return int(out[0]) if out else 0
+
+
+def stop(server: subprocess.Popen, timeout: float = 90) -> None:
+    """SIGTERM the server's process group (API server + engine core), SIGKILL what is left, and
+    wait until the GPU memory is given back, so that the next server finds the card empty."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            server.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    t0 = time.time()
+    while gpu_mem_used_mib() > 2048 and time.time() - t0 < 60:
+        time.sleep(1)
+
+
 def run_one(name: str, model: Path, args) -> dict:
     port = 8000 + list(CONFIGS).index(name)
     serve = ["vllm", "serve", str(model), "--port", str(port), "--load-format", "dummy", "--max-model-len", "1024",
-             *CONFIGS[name]]
+             "--max-num-seqs", str(args.concurrency), *CONFIGS[name]]
     print("$", " ".join(serve), flush=True)
-    log = open(args.workdir / f"serve_{name}.log", "w")
-    server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
+    log_path = args.workdir / f"serve_{name}.log"
+    log = open(log_path, "w")
+    t0 = time.time()
+    # its own process group: stop() reaches the engine core process too
+    server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", server)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", server)
+        except Exception:
+            log.flush()
+            print(log_path.read_text()[-6000:], flush=True)
+            raise
+        startup = time.time() - t0
+        print(f"{name}: server up in {startup:.0f} s", flush=True)
         result_dir = args.workdir / f"bench_{name}"
         bench = ["vllm", "bench", "serve", "--backend", "vllm", "--model", str(model), "--port", str(port),
                  "--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "256",
@@ -57,12 +92,13 @@ def run_one(name: str, model: Path, args) -> dict:
         print("$", " ".join(bench), flush=True)
         subprocess.run(bench, check=True)
         r = json.loads((result_dir / "r.json").read_text())
-        keys = ("completed", "failed", "request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
-                "median_tpot_ms", "p99_tpot_ms")
-        return {k: r.get(k) for k in keys}
+        keys = ("completed", "failed", "duration", "request_throughput", "output_throughput",
+                *(f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl") for stat in ("mean", "median", "p99")))
+        errors = sorted({e for e in r.get("errors", []) if e})
+        return {"server_startup_s": startup, **{k: r.get(k) for k in keys}, "errors": errors[:5]}
     finally:
-        server.terminate()
-        server.wait(timeout=120)
+        stop(server)
+        log.close()
 
 
 def main() -> None:
@@ -72,6 +108,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--tag", default="serve_8b", help="stem of the result file")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = write_model_dir(args.workdir / "llama-8b", LLAMA3_8B)
@@ -81,12 +118,13 @@ def main() -> None:
              "date": datetime.date.today().isoformat(), "commit": os.environ.get("KBIT_GIT_COMMIT", ""),
              "command": " ".join(sys.argv)}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve_8b.json").write_text(json.dumps({**stamp, "results": results}, indent=2))
-    print("| config | completed | failed | req/s | median TTFT ms | median TPOT ms | p99 TPOT ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    (args.out / f"{args.tag}.json").write_text(json.dumps({**stamp, "results": results}, indent=2))
+    print("| config | completed | failed | req/s | TTFT ms mean / median / p99 | TPOT ms mean / median / p99 |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
         print(f"| {name} | {r['completed']} | {r['failed']} | {r['request_throughput']:.1f} | "
-              f"{r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} | {r['p99_tpot_ms']:.1f} |")
+              f"{r['mean_ttft_ms']:.0f} / {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
+              f"{r['mean_tpot_ms']:.1f} / {r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} |")
 
 
 if __name__ == "__main__":
