@@ -9,9 +9,10 @@ Machete), and kbit K = 2..5, each in its own engine process, same method for all
 
 Weights: bf16 and kbit use --load-format dummy (kbit fills random *valid* kbit weights); GPTQ
 gets a real checkpoint with valid packed 4-bit weights (round-to-nearest, group 128, written
-here), because dummy loading leaves integer tensors uninitialised (gptq4_dummy: that setup, for
-comparison). Results: JSON + markdown table + PNG in benchmarks/results/ (--out), named
-e2e_SHAPE.* unless --tag names them.
+here), because dummy loading leaves integer tensors uninitialised, and because on a folder
+without safetensors vLLM quantizes no layer of a GPTQ config (gptq4_dummy shows it).
+Results: JSON + markdown table + PNG in benchmarks/results/ (--out), named e2e_SHAPE.* unless
+--tag names them.
 """
 from __future__ import annotations
 
@@ -167,8 +168,10 @@ def worker(args) -> None:
 CONFIGS = {
     "bf16": dict(load_format="dummy"),
     "gptq4": dict(gptq=True),
-    # the same GPTQ checkpoint with dummy loading (uninitialised integer tensors): the setup
-    # that once showed no gain over bf16
+    # a GPTQ config on a folder without weights, dummy loading: no gain over bf16, because
+    # vLLM then quantizes nothing: AutoGPTQConfig takes the quantized modules from
+    # the folder's safetensors dtypes when the config does not list modules_in_block_to_quantize
+    # (H200, fc4c7cc: bf16's KV cache room and speed; results/README.md)
     "gptq4_dummy": dict(gptq=True, load_format="dummy"),
     **{f"kbit{b}": dict(load_format="dummy", quantization="kbit", bits=b) for b in (2, 3, 4, 5)},
 }

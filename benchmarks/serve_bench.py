@@ -4,7 +4,8 @@ and TTFT / TPOT beside bf16. Dummy weights (kbit: random valid kbit weights).
 
     python3 benchmarks/serve_bench.py --workdir /tmp/e2e [--configs bf16,kbit4] [--concurrency 256]
 
-Status: written 2026-11-21 after that session's device time ran out; not yet run on a GPU.
+Run on an H200 on 2026-11-21 (commit fc4c7cc): results in results/serve_8b.json and
+results/README.md.
 """
 from __future__ import annotations
 
