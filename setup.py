@@ -2,7 +2,8 @@
 
 The CUDA extension `vllm_kbit._C` is built only where torch is a CUDA build and nvcc is
 found; elsewhere the package installs pure-Python and its ops run the PyTorch reference.
-Restrict the architectures for quick builds with TORCH_CUDA_ARCH_LIST (e.g. "9.0").
+Restrict the architectures for quick builds with TORCH_CUDA_ARCH_LIST (e.g. "9.0a" on Hopper:
+the wgmma kernel exists only in sm_90a code, which "9.0" does not produce).
 """
 import glob
 import os
@@ -20,7 +21,8 @@ def cuda_extension():
         return [], {}
     if torch.version.cuda is None or CUDA_HOME is None or os.environ.get("KBIT_NO_CUDA") == "1":
         return [], {}
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;8.6;8.9;9.0")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;8.6;8.9;9.0a")
+    archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu") + glob.glob("csrc/generated/*.cu"))
     if not sources:
         return [], {}
@@ -29,6 +31,8 @@ def cuda_extension():
             "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
             "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
             "--threads", "4"]
+    if any(a.startswith("9.0a") for a in archs):
+        nvcc.append("-DKBIT_HAS_SM90A")  # the wgmma kernel's sm_90a code is in this build
     ext = CUDAExtension(
         name="vllm_kbit._C",
         sources=sources,

@@ -11,7 +11,8 @@ and command into --out, and prints a short table last.
 
   python benchmarks/bench_gemm.py                 # everything
   python benchmarks/bench_gemm.py --quick         # two shapes, M <= 64
-  python benchmarks/bench_gemm.py --path gemv     # force a kbit path (auto|gemv|mma|dequant)
+  python benchmarks/bench_gemm.py --path gemv     # force a kbit path (auto|gemv|mma|dequant|wgmma)
+  python benchmarks/bench_gemm.py --also-paths mma,wgmma   # + forced paths beside auto
   python benchmarks/bench_gemm.py --sweep-splits  # GEMV split-K factors 1..8 (tuning)
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]  # N x K
 QUICK_SHAPES = [(4096, 4096), (57344, 8192)]
 MS = [1, 4, 16, 64, 256, 1024, 4096]
-PATHS = {"auto": 0, "gemv": 1, "mma": 2, "dequant": 3}
+PATHS = {"auto": 0, "gemv": 1, "mma": 2, "dequant": 3, "wgmma": 4}
 DT = torch.float16
 
 
@@ -165,7 +166,9 @@ def main():
     ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,57344x8192 (N x K)")
     ap.add_argument("--no-baselines", action="store_true", help="kbit only")
     ap.add_argument("--compare-paths", action="store_true", help="also time gemv and mma separately for M <= 16")
-    ap.add_argument("--sweep-splits", action="store_true", help="GEMV split-K factors 1..8 at M in {1, 16}")
+    ap.add_argument("--also-paths", default="", help="comma list of forced paths timed beside --path (gemv: M <= 16)")
+    ap.add_argument("--sweep-splits", action="store_true",
+                    help="split-K factors 1..8: GEMV at M in {1, 16}, or with --path wgmma at --ms")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
 
@@ -201,15 +204,17 @@ def main():
         return r
 
     if args.sweep_splits:
+        sweep_path = "wgmma" if args.path == "wgmma" else "gemv"
         for n, k in shapes:
             for bits in bits_list:
-                run, wb = kbit_method(n, k, bits, PATHS["gemv"], 0)
-                for m in (1, 16):
+                run, wb = kbit_method(n, k, bits, PATHS[sweep_path], 0)
+                for m in (ms if sweep_path == "wgmma" else (1, 16)):
                     x = torch.randn(m, k, dtype=DT, device="cuda")
-                    record(n, k, m, f"kbit{bits}-gemv-auto", timer(lambda: run(x)), wb, bits=bits, splits=0)
+                    record(n, k, m, f"kbit{bits}-{sweep_path}-auto", timer(lambda: run(x, PATHS[sweep_path], 0)), wb,
+                           bits=bits, splits=0)
                     for sp in range(1, 9):
-                        record(n, k, m, f"kbit{bits}-gemv-s{sp}", timer(lambda: run(x, 1, sp)), wb, bits=bits,
-                               splits=sp)
+                        record(n, k, m, f"kbit{bits}-{sweep_path}-s{sp}", timer(lambda: run(x, PATHS[sweep_path], sp)),
+                               wb, bits=bits, splits=sp)
                 del run
                 torch.cuda.empty_cache()
     else:
@@ -217,6 +222,9 @@ def main():
             methods = []
             for bits in bits_list:
                 methods.append((f"kbit{bits}", *kbit_method(n, k, bits, PATHS[args.path]), {"bits": bits}))
+                for extra_path in [p for p in args.also_paths.split(",") if p]:
+                    methods.append((f"kbit{bits}-{extra_path}", *kbit_method(n, k, bits, PATHS[extra_path]),
+                                    {"bits": bits, **({"max_m": 16} if extra_path == "gemv" else {})}))
                 if args.compare_paths and args.path == "auto":
                     methods.append((f"kbit{bits}-gemv", *kbit_method(n, k, bits, 1), {"bits": bits, "max_m": 16}))
                     if torch.ops.kbit.has_mma():

@@ -3,8 +3,9 @@
 // are defined in Python (vllm_kbit/ops.py); this file registers their CUDA kernels and adds a
 // few C++-only ops for tests and benchmarks (TORCH_LIBRARY_FRAGMENT below).
 //
-// gemm picks its path from M inside the op (GEMV for M <= gemv_max_m(bits), the tensor-core
-// kernel below dequant_min_m(bits), dequantize + cuBLAS from there; see kbit_ops.h), with no
+// gemm picks its path from M inside the op (GEMV for M <= gemv_max_m(bits), then on Hopper the
+// wgmma kernel up to wgmma_max_m(bits), else the mma.sync kernel below dequant_min_m(bits),
+// dequantize + cuBLAS from there; see kbit_ops.h), with no
 // host sync and a grid that depends on shapes only, so it can be captured in a CUDA graph
 // and is opaque to torch.compile.
 #include <Python.h>
@@ -28,7 +29,7 @@ namespace {
 constexpr int64_t kBlockSize = 32;
 constexpr int64_t kUnit = 64;
 
-enum Path : int64_t { kAuto = 0, kGemv = 1, kMma = 2, kDequant = 3 };
+enum Path : int64_t { kAuto = 0, kGemv = 1, kMma = 2, kDequant = 3, kWgmma = 4 };
 
 // Error messages are assembled here with std::to_string, never with iostreams: on the H200
 // image an ostream number insertion from this library crashed (the std::num_put facet looked
@@ -227,9 +228,13 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const void* bias_ptr = bias != nullptr ? bias->data_ptr() : nullptr;
   const bool automatic = path == kAuto;
   if (automatic)
-    path = a.m <= gemv_max_m(int(bits)) ? kGemv
-           : (kHasMma && a.m < dequant_min_m(int(bits))) ? kMma : kDequant;
-  TORCH_CHECK(path >= kGemv && path <= kDequant, msg("kbit::gemm_path: path must be 0..3, got ", path));
+    path = a.m <= gemv_max_m(int(bits))                            ? kGemv
+           : (a.m <= wgmma_max_m(int(bits)) && wgmma_supported())   ? kWgmma
+           : (kHasMma && a.m < dequant_min_m(int(bits)))            ? kMma
+                                                                    : kDequant;
+  TORCH_CHECK(path >= kGemv && path <= kWgmma, msg("kbit::gemm_path: path must be 0..4, got ", path));
+  TORCH_CHECK(path != kWgmma || wgmma_supported(), msg("kbit::gemm_path: the wgmma path needs a build with ",
+              "TORCH_CUDA_ARCH_LIST containing 9.0a and a compute capability 9.0 GPU"));
   TORCH_CHECK(path != kGemv || a.m <= kGemvMaxM, msg("kbit::gemm_path: the GEMV path serves M <= ", kGemvMaxM,
               ", got M = ", a.m));
   TORCH_CHECK(path != kMma || kHasMma, msg("kbit::gemm_path: this build has no tensor-core kernel"));
@@ -253,6 +258,11 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
                           y.data_ptr(), ws_bytes ? ws.data_ptr() : nullptr, int(a.m), int(a.n), int(a.k), int(bits),
                           num_sms, stream),
                "gemm (mma)");
+  } else if (path == kWgmma) {
+    check_cuda(launch_wgmma(a.dtype, x.data_ptr(), pk, absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(),
+                            bias_ptr, y.data_ptr(), int(a.m), int(a.n), int(a.k), int(bits), num_sms, stream,
+                            int(splits)),
+               "gemm (wgmma)");
   } else if (path == kDequant) {
     gemm_dequant(x, packed, absmax, codebook, bits, a, bias, y);
   }
@@ -305,6 +315,25 @@ int64_t dequant_min_m_op(int64_t bits) {
 
 bool has_mma_op() { return kHasMma; }
 
+bool has_wgmma_op() { return wgmma_supported(); }
+
+int64_t wgmma_max_m_op(int64_t bits) {
+  check_bits(bits);
+  return wgmma_max_m(int(bits));
+}
+
+// The wgmma launch plan on the current device: [tile_m, splits, grid x, grid y, grid z].
+std::vector<int64_t> wgmma_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits, at::ScalarType dtype,
+                                   int64_t splits) {
+  check_bits(bits);
+  TORCH_CHECK(wgmma_supported(), msg("kbit::wgmma_plan: no wgmma kernel on this build / device"));
+  TORCH_CHECK(m > 0 && n > 0 && k > 0 && k % kBlockSize == 0, msg("kbit::wgmma_plan: bad shape"));
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int out[5] = {0, 0, 0, 0, 0};
+  wgmma_plan_info(to_dtype(dtype), int(m), int(n), int(k), int(bits), num_sms, int(splits), out);
+  return std::vector<int64_t>(out, out + 5);
+}
+
 // ---- BEGIN MMA plan hook (owner: tensor-core kernel, csrc/kbit_mma.cu) ----
 // The tensor-core launch plan for a shape on the current device, for tests and benchmarks:
 // [cfg, tile_m, tile_n, splits, k_tiles_per_split, items, grid, workspace_bytes].
@@ -335,6 +364,9 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("gemv_max_m(int bits) -> int", &kbit::gemv_max_m_op);
   m.def("dequant_min_m(int bits) -> int", &kbit::dequant_min_m_op);
   m.def("has_mma() -> bool", &kbit::has_mma_op);
+  m.def("has_wgmma() -> bool", &kbit::has_wgmma_op);
+  m.def("wgmma_max_m(int bits) -> int", &kbit::wgmma_max_m_op);
+  m.def("wgmma_plan(int m, int n, int k, int bits, ScalarType dtype, int splits=0) -> int[]", &kbit::wgmma_plan_op);
   m.def("mma_plan(int m, int n, int k, int bits) -> int[]", &kbit::mma_plan_op);  // MMA plan hook
 }
 

@@ -50,6 +50,7 @@
 #endif
 
 #include "kbit_common.cuh"
+#include "kbit_decode.cuh"
 #include "kbit_layout.cuh"
 #include "kbit_ops.h"
 
@@ -73,13 +74,8 @@ struct Params {
   int chunk;                 // units per split (the K range of one CTA)
 };
 
-// Per bit width: the shared-memory pair table and how many units a warp keeps in flight.
-template <int BITS> struct Traits {
-  static_assert(BITS >= 2 && BITS <= 5, "kbit supports 2..5 bits");
-  // shared-memory pair table entries (pair index = idx_a | idx_b << 4), 0 when lanes hold it
-  static constexpr int kLutEntries = BITS == 4 ? 256 : BITS == 3 ? 128 : 0;
-  // x pairing: K=2 pairs elements (e, e+2) of a byte, the nibble schemes pair (e, e+4)
-  static constexpr bool kCrumbPairs = BITS == 2;
+// Per bit width: how many units a warp keeps in flight (the table: PairTable, kbit_decode.cuh).
+template <int BITS> struct Traits : PairTable<BITS> {
   // register stages: stages - 1 units in flight per warp while one is decoded (16 warps/SM)
   static constexpr int kStages = BITS == 5 ? 2 : 3;
 };
@@ -91,10 +87,6 @@ template <int BITS, int MT> struct Stage {
   uint4 a;                   // absmax codes [w][q]
   uint32_t x[MT][2][4];      // [n8 tile][block][i]: x[row][32 kb + 2t + 8i .. +1]
 };
-
-__device__ __forceinline__ uint32_t comp(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;  // i is a compile-time constant
-}
 
 // m16n8k16 with fp32 accumulation; A row-major (W: 16 columns x 16 k), B col-major (x^T).
 template <typename T> __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
@@ -115,61 +107,6 @@ template <> __device__ __forceinline__ void mma<__nv_bfloat16>(float (&d)[4], co
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
         "f"(c[3]));
 }
-
-// The 4 pairs of column q (byte q of the plane words) for one block, from one word of each
-// plane. The MMA takes pairs 0,1 in its first k16 step and pairs 2,3 in the second.
-template <int BITS, typename T> struct Decoder {
-  // K=2: 2 crumb words; K=3,4: nibble words N_0..N_3; K=5: byte-field words E_0..3, O_0..3
-  static constexpr int kWords = BITS == 2 ? 2 : BITS == 5 ? 8 : 4;
-  uint32_t words[kWords];
-
-  __device__ __forceinline__ void load(const uint32_t (&p)[BITS]) {
-    if constexpr (BITS == 2) {
-      // 2-bit field i of words[0] = index of element 2i, of words[1] = index of element 2i+1;
-      // so nibble 2q of words[0] is the pair (0, 2) of column q, nibble 2q+1 the pair (4, 6)
-      words[0] = (p[0] & 0x55555555u) | ((p[1] << 1) & 0xAAAAAAAAu);
-      words[1] = ((p[0] >> 1) & 0x55555555u) | (p[1] & 0xAAAAAAAAu);
-    } else {
-      // bit-matrix transpose of planes 0..3: N_s nibble m = index of element 4m + s, so
-      // byte q of N_s is the pair (s, s+4) of column q
-      constexpr int kLow = BITS < 4 ? BITS : 4;
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        uint32_t v = 0;
-#pragma unroll
-        for (int b = 0; b < kLow; ++b) {
-          const uint32_t sh = b >= s ? (p[b] << (b - s)) : (p[b] >> (s - b));
-          v |= sh & (0x11111111u << b);
-        }
-        if constexpr (BITS == 5) {
-          // widen to byte fields and add plane 4 as bit 4: E_s byte q = index of element s
-          // of column q, O_s byte q = index of element s + 4
-          const uint32_t h = (p[4] >> s) & 0x11111111u;  // bit 4m: plane 4 of element 4m + s
-          words[s] = (v & 0x0F0F0F0Fu) | ((h << 4) & 0x10101010u);
-          words[4 + s] = ((v >> 4) & 0x0F0F0F0Fu) | (h & 0x10101010u);
-        } else {
-          words[s] = v;
-        }
-      }
-    }
-  }
-
-  // pair s (0..3) of column q (0..3) as one 32-bit operand register (lo16 = first element)
-  __device__ __forceinline__ uint32_t pair(int q, int s, uint32_t lut_addr, uint32_t table) const {
-    if constexpr (BITS == 2) {
-      // crumb pairs: s = 0: (0,2), 1: (1,3), 2: (4,6), 3: (5,7); one shuffle per pair
-      return shfl_lut(table, words[s & 1] >> (8 * q + 4 * (s >> 1)));
-    } else if constexpr (BITS == 5) {
-      // one shuffle per element (32-entry table = 32 lanes), PRMT joins the pair (s, s+4)
-      return prmt(shfl_lut(table, words[s] >> (8 * q)), shfl_lut(table, words[4 + s] >> (8 * q)), 0x5410);
-    } else {
-      // shared-memory pair table, replica `lane` (conflict-free): entry v = byte q of N_s at
-      // byte offset 128 v from this lane's replica; PRMT extracts the byte, LEA adds it
-      const uint32_t v = prmt(words[s], 0u, 0x4440u | uint32_t(q));
-      return lds_u32(lut_addr + (v << 7));
-    }
-  }
-};
 
 // Loads of unit `ku` into registers: 16-byte streaming loads of the planes and absmax (the
 // 4 lanes of a column group read the same absmax bytes: one broadcast), 32-bit x loads.
@@ -266,7 +203,7 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
 // cross-warp reduction scratch, then the partial sums the cluster reads.
 template <int BITS, int MT> struct Smem {
   static constexpr int kAcc = kPairsPerLane * MT * 4;                  // floats per lane
-  static constexpr int kLutBytes = Traits<BITS>::kLutEntries * 32 * 4;
+  static constexpr int kLutBytes = Traits<BITS>::kLutBytes;
   static constexpr int kRedBytes = kWarps * kAcc * 32 * 4;
   static constexpr int kPart = kLutBytes > kRedBytes ? kLutBytes : kRedBytes;
   static constexpr int kBytes = kPart + kAcc * 32 * 4;
@@ -284,22 +221,7 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 2 : 1) gemv_kernel(const P
   const int ku_end = min(p.ku_count, ku_begin + p.chunk);
 
   // ---- codebook table: in the lanes (K=2: pair table, K=5: values) or in shared memory
-  uint32_t table = 0;
-  if constexpr (BITS == 2) {
-    table = pack2<T>(__ldg(p.codebook + (lane & 3)), __ldg(p.codebook + ((lane >> 2) & 3)));
-  } else if constexpr (BITS == 5) {
-    const float v = __ldg(p.codebook + lane);
-    table = pack2<T>(v, v);
-  } else {
-    constexpr int kEntries = Traits<BITS>::kLutEntries;
-    constexpr int kMask = (1 << BITS) - 1;
-    uint4* lut4 = reinterpret_cast<uint4*>(smem);
-    for (int i = threadIdx.x; i < kEntries * 8; i += kThreads) {  // 8 uint4 = 32 replicas
-      const int v = i >> 3;
-      const uint32_t e = pack2<T>(__ldg(p.codebook + (v & kMask)), __ldg(p.codebook + ((v >> 4) & kMask)));
-      lut4[i] = make_uint4(e, e, e, e);
-    }
-  }
+  const uint32_t table = init_codebook<BITS, T>(p.codebook, 1.0f, smem, threadIdx.x, kThreads);
   if constexpr (Traits<BITS>::kLutEntries > 0) __syncthreads();
   // entry v of replica `lane` is the word 32 v + lane (bank = lane)
   const uint32_t lut_addr = opaque(uint32_t(__cvta_generic_to_shared(smem)) + 4u * lane);

@@ -63,6 +63,22 @@ cudaError_t launch_mma(DType dtype, const void* x, const uint32_t* packed, const
                        int n, int k, int bits, int num_sms, cudaStream_t stream);
 size_t mma_workspace_bytes(int m, int n, int k, int bits, int num_sms);
 
+// wgmma kernel (Hopper, sm_90a; kbit_wgmma.cuh) for gemv_max_m < M <= wgmma_max_m(bits): on the
+// H200 it beats the mma.sync kernel at M = 32..64 on 4-5 of the 6 benchmark shapes and on the
+// sum over Llama-3-8B's four linear shapes (186 vs 206 us at M = 64); from M = 96 the mma.sync
+// kernel wins that sum (benchmarks/results, bench_gemm.py --also-paths mma,wgmma).
+// wgmma_supported(): this build has sm_90a code and the current device is compute 9.0.
+// `splits` = 0 picks the split-K factor (a thread-block cluster along K, no workspace);
+// 1..8 forces it. Returns cudaErrorNotSupported where wgmma_supported() is false.
+constexpr int kWgmmaMaxM = 64;
+inline int wgmma_max_m(int /*bits*/) { return kWgmmaMaxM; }
+bool wgmma_supported();
+cudaError_t launch_wgmma(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,
+                         const float* codebook, const void* bias, void* y, int m, int n, int k, int bits,
+                         int num_sms, cudaStream_t stream, int splits = 0);
+// The launch plan for tests and benchmarks: out = [tile_m, splits, grid x, grid y, grid z].
+void wgmma_plan_info(DType dtype, int m, int n, int k, int bits, int num_sms, int splits, int* out);
+
 // Tiled layout -> row-major W rows [n_begin, n_end) into w[(n_end - n_begin), K] (fp16/bf16/fp32),
 // each value float(codebook[idx]) * decode_e4m4(absmax) rounded once to the output dtype
 // (bit-exact with format.dequantize(..., dtype)).

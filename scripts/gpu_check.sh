@@ -31,7 +31,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --fo
 
 step "build"  # ninja, 16 parallel nvcc jobs; a warm machine rebuilds only what changed
 t0=$(date +%s)
-TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
+TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" MAX_JOBS="${MAX_JOBS:-16}" \
     python3 -m pip install --no-build-isolation --no-deps --no-index -e . >"$OUT/build.log" 2>&1
 rc=$?
 echo "build rc=$rc in $(( $(date +%s) - t0 )) s"
@@ -57,7 +57,7 @@ if [ $TESTS -eq 1 ]; then
 fi
 
 if [ $SANITIZE -eq 1 ]; then
-    for script in sanitize_small sanitize_mma; do
+    for script in sanitize_small sanitize_mma sanitize_wgmma; do
         for tool in memcheck racecheck; do
             step "compute-sanitizer $tool $script (kbit kernels only)"
             timeout 600 compute-sanitizer --tool "$tool" --kernel-name kns=kbit --error-exitcode 3 \

@@ -1,25 +1,22 @@
 """Tensor-core kbit GEMM (csrc/kbit_mma.cuh) on the GPU, through torch.ops.kbit.gemm_path(path=2).
 
-Weights are random codebook indices and E4M4 codes in the checkpoint layout (format.py),
-tiled by kbit::repack, so the check covers repack + kernel end to end against a float64
-matmul of the dequantized weight: relative Frobenius error < 2e-3 (fp16) / 1e-2 (bf16).
-Every output element must be written: the block the op's output will land in is NaN-filled
-first (caching allocator), each case runs twice with fresh x and is compared both times,
-and the split-K cases are also rerun with the same x and compared bitwise (the reduction
-sums the k-chunks in a fixed order, so results are bitwise deterministic).
+The checks (tests/gemm_cases.py): repack + kernel against a float64 matmul of the dequantized
+weight, NaN-poisoned outputs, two runs with fresh x each; the split-K cases are also rerun
+with the same x and compared bitwise (the reduction sums the k-chunks in a fixed order, so
+results are bitwise deterministic).
 The grid is sampled to stay well under 2 minutes on an H200: every M on one odd shape,
 subsets elsewhere; kbit::mma_plan asserts that both split-K and no-split plans are hit.
 """
 import pytest
 import torch
 
-from vllm_kbit import format as kf
+import gemm_cases
+from gemm_cases import TOL, weight
 
 pytestmark = pytest.mark.gpu
 
 MMA_PATH = 2
 ALL_M = [17, 31, 32, 33, 48, 64, 127, 128, 255, 256, 512, 1000, 1024, 4096]
-TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def _have_mma():
@@ -36,33 +33,8 @@ if not _have_mma():
     pytest.skip("needs a CUDA GPU and vllm_kbit._C with the tensor-core kernel", allow_module_level=True)
 
 
-_cache = {}
-
-
-def weight(n, k, bits, tiny=False):
-    """(packed, absmax_packed, codebook, W float64 [n, k]) for random indices and codes."""
-    key = (n, k, bits, tiny)
-    if key not in _cache:
-        _cache.clear()
-        g = torch.Generator(device="cuda").manual_seed(1000 * bits + n + 7 * k + tiny)
-        idx = torch.randint(0, 1 << bits, (n, k), generator=g, device="cuda").to(torch.uint8)
-        # realistic absmax 2^-4 .. 2^-1 (codes 0x70..0x9F); `tiny`: subnormal codes only,
-        # which the bf16 path turns into bf16 subnormal scales
-        lo, hi = (1, 16) if tiny else (0x70, 0xA0)
-        codes = torch.randint(lo, hi, (n, k // 32), generator=g, device="cuda").to(torch.uint8)
-        qweight = kf.pack_bitplanes(idx, bits)
-        packed, absmax = torch.ops.kbit.repack(qweight, codes, bits)
-        cb = kf.normal_float_codebook(bits, "cuda")
-        w = cb.double()[idx.long()] * kf.decode_e4m4(codes).double().repeat_interleave(32, dim=1)
-        _cache[key] = (packed, absmax, cb, w)
-    return _cache[key]
-
-
 def run(x, packed, absmax, cb, bits, n, k, bias=None):
-    # NaN-poison the block the op's output will be allocated from (same size, same stream).
-    poison = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
-    del poison
-    return torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, bias, MMA_PATH)
+    return gemm_cases.run(MMA_PATH, x, packed, absmax, cb, bits, n, k, bias)
 
 
 def plan(m, n, k, bits):
@@ -71,20 +43,8 @@ def plan(m, n, k, bits):
 
 
 def check(m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0):
-    packed, absmax, cb, w = weight(n, k, bits, tiny)
-    b = (torch.randn(n, device="cuda") * 0.5).to(dtype) if bias else None
-    outs = []
-    for _ in range(2):  # fresh x each time: a stale output from the last call cannot pass
-        x = (torch.randn(m, k, device="cuda") * x_scale).to(dtype)
-        y = run(x, packed, absmax, cb, bits, n, k, b)
-        ref = x.double() @ w.t()
-        if b is not None:
-            ref += b.double()
-        assert torch.isfinite(y).all(), f"non-finite output (unwritten?) m={m} n={n} k={k} bits={bits} {dtype}"
-        err = ((y.double() - ref).norm() / ref.norm()).item()
-        assert err < TOL[dtype], f"relative error {err:.3e} m={m} n={n} k={k} bits={bits} {dtype} plan={plan(m, n, k, bits)}"
-        outs.append((x, y))
-    return outs, (packed, absmax, cb, b)
+    return gemm_cases.check(MMA_PATH, m, n, k, bits, dtype, bias, tiny, x_scale,
+                            describe=lambda: f"plan={plan(m, n, k, bits)}")
 
 
 @pytest.mark.parametrize("m", ALL_M)

@@ -1,0 +1,125 @@
+// Codebook decode of the tiled layout into tensor-core operand registers, shared by the GEMV
+// (mma.sync) and the wgmma kernel (torch-free). Both use W as the A operand (Y^T = W X^T):
+// a lane's 16 bytes per bit-plane (kbit_layout.cuh) are the A fragments of the four m16 row
+// tiles of a 64-column unit, two 32-blocks deep.
+//
+// The decoder pairs elements so that one table lookup yields one 32-bit operand register
+// (two weights). The pairs are not the MMA's natural (k, k+1): K=3..5 pair elements (e, e+4)
+// of the layout byte, K=2 pairs (e, e+2). Because an MMA sums over k in any order, the x
+// operand is permuted to match instead (never W): XPerm below says how, per bit width, and
+// both kernels apply it (the GEMV with PRMT on x registers, the wgmma kernel when it stages x
+// into shared memory).
+//
+// Operand-register slots of one k16 step (m16n8k16 / wgmma A and B fragments, t = lane % 4):
+// slots 2t, 2t+1 (register 0 / b0) and 2t+8, 2t+9 (register 2 / b1). With the pairing above,
+// slot -> k offset inside a 32-block of x is, for step 0 and step 1 of the block:
+//   K=3..5:  2t -> 2t,    2t+1 -> 2t+16,  2t+8 -> 2t+1,  2t+9 -> 2t+17   (step 1: +8)
+//   K=2:     2t -> 2t,    2t+1 -> 2t+8,   2t+8 -> 2t+1,  2t+9 -> 2t+9    (step 1: +16)
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kbit_common.cuh"
+
+namespace kbit {
+
+// Per bit width: where the codebook lives and how x is paired.
+template <int BITS> struct PairTable {
+  static_assert(BITS >= 2 && BITS <= 5, "kbit supports 2..5 bits");
+  // shared-memory pair table entries (pair index = idx_a | idx_b << 4), 0 when lanes hold it
+  static constexpr int kLutEntries = BITS == 4 ? 256 : BITS == 3 ? 128 : 0;
+  // 32 replicas, so lane l always reads bank l (conflict-free lookups)
+  static constexpr int kLutBytes = kLutEntries * 32 * 4;
+  // x pairing: K=2 pairs elements (e, e+2) of a byte, the nibble schemes pair (e, e+4)
+  static constexpr bool kCrumbPairs = BITS == 2;
+};
+
+// The codebook as the decoder reads it, every value multiplied by `mult` (1 for the GEMV,
+// which scales in fp32 after the MMA; the wgmma kernel folds the E4M4 decode constant in).
+// K=3,4: writes the replicated pair table to `lut` (all threads of the CTA take part; the
+// caller synchronises). K=2: returns this lane's entry of the 16-entry pair table;
+// K=5: this lane's codebook value (32 entries = 32 lanes), as a pair of equal values.
+template <int BITS, typename T>
+__device__ __forceinline__ uint32_t init_codebook(const float* codebook, float mult, uint32_t* lut, int tid,
+                                                  int nthreads) {
+  const int lane = tid & 31;
+  if constexpr (BITS == 2) {
+    return pack2<T>(mult * __ldg(codebook + (lane & 3)), mult * __ldg(codebook + ((lane >> 2) & 3)));
+  } else if constexpr (BITS == 5) {
+    const float v = mult * __ldg(codebook + lane);
+    return pack2<T>(v, v);
+  } else {
+    constexpr int kEntries = PairTable<BITS>::kLutEntries;
+    constexpr int kMask = (1 << BITS) - 1;
+    uint4* lut4 = reinterpret_cast<uint4*>(lut);
+    for (int i = tid; i < kEntries * 8; i += nthreads) {  // 8 uint4 = 32 replicas
+      const int v = i >> 3;
+      const uint32_t e = pack2<T>(mult * __ldg(codebook + (v & kMask)), mult * __ldg(codebook + ((v >> 4) & kMask)));
+      lut4[i] = make_uint4(e, e, e, e);
+    }
+    return 0u;
+  }
+}
+
+__device__ __forceinline__ uint32_t comp(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;  // i is a compile-time constant
+}
+
+// The 4 pairs of column q (byte q of the plane words) for one block, from one word of each
+// plane. The MMA takes pairs 0,1 in its first k16 step and pairs 2,3 in the second.
+template <int BITS, typename T> struct Decoder {
+  // K=2: 2 crumb words; K=3,4: nibble words N_0..N_3; K=5: byte-field words E_0..3, O_0..3
+  static constexpr int kWords = BITS == 2 ? 2 : BITS == 5 ? 8 : 4;
+  uint32_t words[kWords];
+
+  __device__ __forceinline__ void load(const uint32_t (&p)[BITS]) {
+    if constexpr (BITS == 2) {
+      // 2-bit field i of words[0] = index of element 2i, of words[1] = index of element 2i+1;
+      // so nibble 2q of words[0] is the pair (0, 2) of column q, nibble 2q+1 the pair (4, 6)
+      words[0] = (p[0] & 0x55555555u) | ((p[1] << 1) & 0xAAAAAAAAu);
+      words[1] = ((p[0] >> 1) & 0x55555555u) | (p[1] & 0xAAAAAAAAu);
+    } else {
+      // bit-matrix transpose of planes 0..3: N_s nibble m = index of element 4m + s, so
+      // byte q of N_s is the pair (s, s+4) of column q
+      constexpr int kLow = BITS < 4 ? BITS : 4;
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        uint32_t v = 0;
+#pragma unroll
+        for (int b = 0; b < kLow; ++b) {
+          const uint32_t sh = b >= s ? (p[b] << (b - s)) : (p[b] >> (s - b));
+          v |= sh & (0x11111111u << b);
+        }
+        if constexpr (BITS == 5) {
+          // widen to byte fields and add plane 4 as bit 4: E_s byte q = index of element s
+          // of column q, O_s byte q = index of element s + 4
+          const uint32_t h = (p[4] >> s) & 0x11111111u;  // bit 4m: plane 4 of element 4m + s
+          words[s] = (v & 0x0F0F0F0Fu) | ((h << 4) & 0x10101010u);
+          words[4 + s] = ((v >> 4) & 0x0F0F0F0Fu) | (h & 0x10101010u);
+        } else {
+          words[s] = v;
+        }
+      }
+    }
+  }
+
+  // pair s (0..3) of column q (0..3) as one 32-bit operand register (lo16 = first element)
+  __device__ __forceinline__ uint32_t pair(int q, int s, uint32_t lut_addr, uint32_t table) const {
+    if constexpr (BITS == 2) {
+      // crumb pairs: s = 0: (0,2), 1: (1,3), 2: (4,6), 3: (5,7); one shuffle per pair
+      return shfl_lut(table, words[s & 1] >> (8 * q + 4 * (s >> 1)));
+    } else if constexpr (BITS == 5) {
+      // one shuffle per element (32-entry table = 32 lanes), PRMT joins the pair (s, s+4)
+      return prmt(shfl_lut(table, words[s] >> (8 * q)), shfl_lut(table, words[4 + s] >> (8 * q)), 0x5410);
+    } else {
+      // shared-memory pair table, replica `lane` (conflict-free): entry v = byte q of N_s at
+      // byte offset 128 v from this lane's replica; PRMT extracts the byte, LEA adds it
+      const uint32_t v = prmt(words[s], 0u, 0x4440u | uint32_t(q));
+      return lds_u32(lut_addr + (v << 7));
+    }
+  }
+};
+
+}  // namespace kbit

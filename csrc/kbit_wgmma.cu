@@ -1,0 +1,72 @@
+// Host entry points of the wgmma kbit GEMM (declared in kbit_ops.h): argument checks, whether
+// this build and device can run it, and the dispatch on bits to csrc/generated/wgmma_k*.cu.
+#include <cuda_runtime.h>
+
+#include "kbit_ops.h"
+#include "kbit_wgmma.cuh"
+
+namespace kbit {
+namespace wg {
+extern template cudaError_t launch_bits<2>(DType, const Params&, int, int, cudaStream_t, int*);
+extern template cudaError_t launch_bits<3>(DType, const Params&, int, int, cudaStream_t, int*);
+extern template cudaError_t launch_bits<4>(DType, const Params&, int, int, cudaStream_t, int*);
+extern template cudaError_t launch_bits<5>(DType, const Params&, int, int, cudaStream_t, int*);
+
+namespace {
+cudaError_t dispatch(DType dtype, const Params& p, int bits, int splits, int num_sms, cudaStream_t stream,
+                     int* plan) {
+  switch (bits) {
+    case 2: return launch_bits<2>(dtype, p, splits, num_sms, stream, plan);
+    case 3: return launch_bits<3>(dtype, p, splits, num_sms, stream, plan);
+    case 4: return launch_bits<4>(dtype, p, splits, num_sms, stream, plan);
+    case 5: return launch_bits<5>(dtype, p, splits, num_sms, stream, plan);
+  }
+  return cudaErrorInvalidValue;
+}
+}  // namespace
+}  // namespace wg
+
+// sm_90a code exists only when the build targeted it (setup.py defines KBIT_HAS_SM90A when
+// TORCH_CUDA_ARCH_LIST names 9.0a), and runs only on compute capability 9.0 exactly.
+bool wgmma_supported() {
+#ifdef KBIT_HAS_SM90A
+  static int cached[64];  // per device: 0 unknown, 1 no, 2 yes
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (cached[dev] == 0) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    cached[dev] = major == 9 && minor == 0 ? 2 : 1;
+  }
+  return cached[dev] == 2;
+#else
+  return false;
+#endif
+}
+
+cudaError_t launch_wgmma(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,
+                         const float* codebook, const void* bias, void* y, int m, int n, int k, int bits,
+                         int num_sms, cudaStream_t stream, int splits) {
+  if (m < 1 || n < 1 || k < kBlock || k % kBlock != 0 || bits < 2 || bits > 5) return cudaErrorInvalidValue;
+  if (dtype != DType::kHalf && dtype != DType::kBFloat16) return cudaErrorInvalidValue;
+  if (!wgmma_supported()) return cudaErrorNotSupported;
+  // cp.async moves 16 B: x rows (K % 32 == 0) and units are 16 B multiples, so only the bases matter
+  const auto misaligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) != 0; };
+  if (misaligned(x) || misaligned(packed) || misaligned(absmax)) return cudaErrorInvalidValue;
+  wg::Params p;
+  p.x = x; p.packed = packed; p.absmax = absmax; p.codebook = codebook; p.bias = bias; p.y = y;
+  p.m = m; p.n = n; p.k = k;
+  p.ku_count = k_units(k);
+  p.chunk = p.ku_count;
+  return wg::dispatch(dtype, p, bits, splits, num_sms > 0 ? num_sms : 1, stream, nullptr);
+}
+
+void wgmma_plan_info(DType dtype, int m, int n, int k, int bits, int num_sms, int splits, int* out) {
+  wg::Params p = {};
+  p.m = m; p.n = n; p.k = k;
+  p.ku_count = k_units(k);
+  wg::dispatch(dtype, p, bits, splits, num_sms > 0 ? num_sms : 1, nullptr, out);
+}
+
+}  // namespace kbit

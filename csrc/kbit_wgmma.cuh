@@ -1,0 +1,567 @@
+// kbit GEMM on Hopper's asynchronous tensor-core instruction (wgmma, sm_90a) for mid-size M:
+// y[M, N] = x[M, K] @ dequant(W)^T, torch-free. Instantiated per bit width in
+// csrc/generated/wgmma_k{2,3,4,5}.cu; csrc/kbit_wgmma.cu holds the host plan.
+//
+// Why this shape (Machete's transposition, seed 002): compute Y^T = W X^T with the
+// dequantized W as wgmma's register-sourced A operand and x^T as the shared-memory B operand.
+// Then the weights never round-trip through shared memory after decode, the tokens are the
+// wgmma N dimension (16..64 here, the sizes decode batches have), and the instruction is
+// asynchronous: the tensor cores multiply one 32-block while the warps decode the next.
+//   * CTA = one warpgroup (4 warps); warp w owns the 64-column slab 4 * blockIdx.y + w, i.e.
+//     exactly the lane-local fragments of kbit_layout.cuh (no data crosses lanes or warps).
+//     A wgmma m64 tile takes rows 16w..16w+15 from warp w, so row tile `pr` of the four warps'
+//     units forms one m64 (rows permuted across slabs; the epilogue maps them back): four
+//     accumulator sets of 64 x MT per CTA, i.e. 256 columns x MT tokens, 2 * MT fp32 / thread.
+//   * per 32-block: decode (kbit_decode.cuh: the GEMV's pair tables, codebook pre-multiplied
+//     by the E4M4 constant, then one HMUL2 by the block's scale) -> 8 wgmma (4 row tiles x
+//     2 k16 steps). For MT <= 32 the A registers are double-buffered, so block b+1 decodes
+//     while block b multiplies; at MT = 64 the accumulators leave no room and two CTAs per SM
+//     overlap instead.
+//   * x goes global -> registers one K-tile ahead (it is L2-resident), then each thread stores
+//     its item permuted into the decoder's k order (kbit_decode.cuh) and into the 128-byte
+//     swizzled K-major tile wgmma's descriptor describes; fence.proxy.async publishes those
+//     generic-proxy writes to the tensor core's async proxy.
+//   * W: each warp cp.asyncs its own unit per K-tile (no CTA-wide data), as many stages deep as
+//     shared memory allows (the DRAM stream), and each lane reads back only its own 16 B per
+//     plane (conflict-free LDS.128).
+//   * one __syncthreads per K-tile (W of tile t landed, permuted x of tile t visible).
+//   * split-K across a thread-block cluster (<= 8 CTAs along K), reduced through distributed
+//     shared memory in a fixed order: deterministic, no workspace, one launch (graph safe).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <type_traits>
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#include <cooperative_groups.h>
+#endif
+
+#include "kbit_common.cuh"
+#include "kbit_decode.cuh"
+#include "kbit_layout.cuh"
+#include "kbit_ops.h"
+
+// wgmma exists only in arch-specific sm_90a code; every other target compiles a trap body and
+// the host never launches it there (wgmma_supported in kbit_wgmma.cu).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KBIT_WGMMA_DEVICE 1
+#else
+#define KBIT_WGMMA_DEVICE 0
+#endif
+
+namespace kbit {
+namespace wg {
+
+constexpr int kSlabs = 4;               // one 64-column layout slab per warp (of a warpgroup)
+constexpr int kCtaN = kSlabs * kUnitN;  // 256 output columns per CTA
+constexpr int kMaxSplits = 8;           // portable cluster size
+
+struct Params {
+  const void* x;             // [m, k] fp16 / bf16
+  const uint32_t* packed;    // tiled layout
+  const uint8_t* absmax;     // tiled layout
+  const float* codebook;     // [2^bits] float32
+  const void* bias;          // [n] or nullptr
+  void* y;                   // [m, n]
+  int m, n, k;
+  int ku_count;              // k_units(k)
+  int chunk;                 // K-tiles per split
+};
+
+template <int BITS, int MT> struct Cfg {
+  static_assert(MT == 16 || MT == 32 || MT == 64 || MT == 128, "wgmma N (tokens per CTA): 16, 32, 64 or 128");
+  // MT = 128: two warpgroups; warpgroup h takes row tiles 2h, 2h+1 of every slab (the lane's
+  // words h and 2+h), so each decodes half of each unit and the A registers feed 128 tokens
+  static constexpr int kWG = MT == 128 ? 2 : 1;
+  static constexpr int kThreads = 128 * kWG;
+  static constexpr int kSets = 4 / kWG;                     // accumulator sets (row tiles) per thread
+  static constexpr int kUnitBytes = BITS * 512 + kUnitAbsmaxBytes;  // one layout unit
+  static constexpr int kXBytes = MT * 128;    // MT rows x 64 k x 2 B; a multiple of the 1 KB swizzle atom
+  // two A buffers: block b+1 decodes while block b multiplies (fits: <= 233 registers at MT 64)
+  static constexpr bool kDoubleA = true;
+  static constexpr int kPerm = 3;  // permuted x tiles: t (read), t+1 (written), t-1 (wgmma may still read)
+  static constexpr int kStageBytes = kSlabs * kUnitBytes;  // one K-tile of W (the 4 slabs' units)
+  static constexpr int kFixedBytes = kPerm * kXBytes + PairTable<BITS>::kLutBytes;
+  // W stages: as deep as fits next to the fixed part in the shared memory of one CTA when two
+  // share an SM (one-warpgroup tiles) or of a whole SM (two warpgroups), capped at 8. The W
+  // stream comes from DRAM: with stages - 1 K-tiles in flight per CTA the loop is no longer
+  // waiting on memory latency every iteration (3 stages with x in them were: ncu, 1.3 issue/clk).
+#ifdef KBIT_WG_DEV_STAGES
+  static constexpr int kStages = KBIT_WG_DEV_STAGES;
+#else
+  static constexpr int kBudget = (kWG == 1 ? 110 : 220) * 1024;
+  static constexpr int kFit = (kBudget - kFixedBytes) / kStageBytes;
+  static constexpr int kStages = kFit > 8 ? 8 : kFit;
+#endif
+  static constexpr int kPermOff = 0;                        // 1 KB aligned (swizzle atoms)
+  static constexpr int kLutOff = kPerm * kXBytes;
+  static constexpr int kStageOff = kLutOff + PairTable<BITS>::kLutBytes;
+  static constexpr int kPipeBytes = kStageOff + kStages * kStageBytes;
+  static constexpr int kAcc = kSets * MT / 2;               // fp32 accumulators per thread
+  static constexpr int kRedBytes = kAcc * kThreads * 4;     // split-K partials, after the pipeline
+  static constexpr int kBytes = (kPipeBytes > kRedBytes ? kPipeBytes : kRedBytes) + 1024;  // + alignment
+  static_assert(kXBytes % 1024 == 0 && kUnitBytes % 16 == 0, "swizzle atoms and 16 B cp.async");
+  static_assert(kStages >= 2, "the loop waits for tile t while tile t+kStages-1 is issued");
+  static_assert(MT * 2 <= kThreads, "one x item (row, 32-block) per thread and K-tile at most");
+  static_assert(kBytes <= 227 * 1024, "fits one SM's shared memory");
+};
+
+// ----------------------------------------------------------------------------- PTX helpers
+
+__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gptr, bool valid) {
+  // src-size 0 zero-fills: rows past M, k past K and slabs past N become zeros without a read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gptr), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ uint4 lds_v4(uint32_t addr) {
+  uint4 r;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+  return r;
+}
+__device__ __forceinline__ void sts_v4(uint32_t addr, const uint4& v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+// Generic-proxy stores (the x permutation) become visible to wgmma's async-proxy reads only
+// through this fence (then a barrier for the other threads).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Shared-memory matrix descriptor of a K-major tile with 128-byte rows in the 128 B swizzle:
+// start address >> 4, leading byte offset 16 B (unused by swizzled K-major), stride byte
+// offset 1024 B (between 8-row core-matrix groups), layout type 1 = SWIZZLE_128B. A k16 step
+// inside the 64-wide tile is +32 B on the start address (the hardware applies the XOR).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+#if KBIT_WGMMA_DEVICE
+// Orders this thread's register writes (decoded A, zeroed accumulators) before the next wgmma.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator accesses across the asynchronous window.
+template <int N> __device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int N> __device__ __forceinline__ void fence_regs(uint32_t (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+// D[64 x N] += A[64 x 16] (registers: this warp's 16 rows, the m16n8k16 A fragment layout)
+// * B[16 x N] (shared memory, K-major, descriptor); fp32 accumulators.
+template <int N, typename T> __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc);
+template <> __device__ __forceinline__ void wgmma_rs<16, __half>(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <> __device__ __forceinline__ void wgmma_rs<16, __nv_bfloat16>(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <> __device__ __forceinline__ void wgmma_rs<32, __half>(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, 1, 1, 1, 0;"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <> __device__ __forceinline__ void wgmma_rs<32, __nv_bfloat16>(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, 1, 1, 1, 0;"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <> __device__ __forceinline__ void wgmma_rs<64, __half>(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <> __device__ __forceinline__ void wgmma_rs<64, __nv_bfloat16>(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <> __device__ __forceinline__ void wgmma_rs<128, __half>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <> __device__ __forceinline__ void wgmma_rs<128, __nv_bfloat16>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+#endif  // KBIT_WGMMA_DEVICE
+
+// Half2 of the E4M4 scale of column q (byte q of `codes`) in the operand type, without the
+// format's constant: fp16 bits (code << 6) are E4M4 / 16, bf16 bits (code << 3) E4M4 / 2^116
+// (exact, subnormals included; kbit_layout.cuh). The codebook carries the constant instead.
+template <typename T> __device__ __forceinline__ uint32_t scale2(uint32_t codes, int q) {
+  const uint32_t c2 = prmt(codes, 0u, 0x4040u | uint32_t(q) | (uint32_t(q) << 8));  // code | code << 16
+  return std::is_same<T, __half>::value ? c2 << 6 : c2 << 3;
+}
+template <typename T> constexpr float codebook_mult() { return std::is_same<T, __half>::value ? 16.f : 0x1p116f; }
+
+template <typename T> __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  using V = typename Vec2<T>::type;
+  const V r = __hmul2(*reinterpret_cast<const V*>(&a), *reinterpret_cast<const V*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// A fragments of one plane word (block kb = wi / 2, n8 groups 4h..4h+3, h = wi % 2): row tiles
+// 2h (groups 4h, 4h+1) and 2h+1 (groups 4h+2, 4h+3) as A[qp][k16 step][register].
+template <int BITS, typename T>
+__device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint32_t codes, uint32_t (&A)[2][2][4],
+                                            uint32_t lut_addr, uint32_t table) {
+#ifdef KBIT_WG_DEV_NODECODE
+#pragma unroll
+  for (int i = 0; i < 16; ++i) (&A[0][0][0])[i] = planes[i % BITS] ^ codes;
+  return;
+#endif
+  Decoder<BITS, T> dec;
+  dec.load(planes);
+#pragma unroll
+  for (int qp = 0; qp < 2; ++qp) {
+    const int q0 = 2 * qp, q1 = 2 * qp + 1;  // n8 groups 4h+q0 (rows g), 4h+q1 (rows g+8)
+    const uint32_t s0 = scale2<T>(codes, q0), s1 = scale2<T>(codes, q1);
+    uint32_t a0[4], a1[4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      a0[s] = hmul2<T>(dec.pair(q0, s, lut_addr, table), s0);
+      a1[s] = hmul2<T>(dec.pair(q1, s, lut_addr, table), s1);
+    }
+    A[qp][0][0] = a0[0]; A[qp][0][1] = a1[0]; A[qp][0][2] = a0[1]; A[qp][0][3] = a1[1];
+    A[qp][1][0] = a0[2]; A[qp][1][1] = a1[2]; A[qp][1][2] = a0[3]; A[qp][1][3] = a1[3];
+  }
+}
+
+// x, one item = one row's 32-block (4 x 16 B, loaded to registers) -> the permuted, swizzled
+// tile wgmma reads (row r at r * 128 B, 16 B chunk c at c ^ (r & 7): the 128 B swizzle; the
+// slot order is kbit_decode.cuh's). Rows past M and k past K load as zeros.
+template <typename T>
+__device__ __forceinline__ void load_x_item(const Params& p, int row, int k0, uint4 (&c)[4]) {
+  const bool ok = row < p.m && k0 < p.k;
+  const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + (long long)row * p.k + k0);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) c[j] = ok ? __ldg(src + j) : make_uint4(0u, 0u, 0u, 0u);
+}
+template <int BITS>
+__device__ __forceinline__ void store_x_item(uint32_t dst, int r, int kb, const uint4 (&c)[4]) {
+  constexpr bool kCrumb = PairTable<BITS>::kCrumbPairs;
+  // K=3..5: out0/out1 = low/high halves of (c0, c2), out2/out3 of (c1, c3); K=2: (c0, c1), (c2, c3)
+  const uint4 a0 = c[0], b0 = kCrumb ? c[1] : c[2], a1 = kCrumb ? c[2] : c[1], b1 = c[3];
+  const auto mix = [](const uint4& a, const uint4& b, uint32_t sel) {
+    return make_uint4(prmt(a.x, b.x, sel), prmt(a.y, b.y, sel), prmt(a.z, b.z, sel), prmt(a.w, b.w, sel));
+  };
+  sts_v4(dst + r * 128 + (((4 * kb + 0) ^ (r & 7)) << 4), mix(a0, b0, 0x5410));
+  sts_v4(dst + r * 128 + (((4 * kb + 1) ^ (r & 7)) << 4), mix(a0, b0, 0x7632));
+  sts_v4(dst + r * 128 + (((4 * kb + 2) ^ (r & 7)) << 4), mix(a1, b1, 0x5410));
+  sts_v4(dst + r * 128 + (((4 * kb + 3) ^ (r & 7)) << 4), mix(a1, b1, 0x7632));
+}
+
+template <int BITS, int MT, typename T>
+__global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) wgmma_kernel(const Params p) {
+#if KBIT_WGMMA_DEVICE
+  using C = Cfg<BITS, MT>;
+  constexpr int kThreads = C::kThreads, kSets = C::kSets;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t raw_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
+  const uint32_t base = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
+  uint8_t* smem = smem_raw + (base - raw_addr);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int slab = warp & 3, wg = warp >> 2;  // wgmma takes rows 16 (warp % 4) + ... from this warp
+  const int g = lane >> 2, t4 = lane & 3;
+  const int split = blockIdx.x, splits = gridDim.x;
+  const int nu = blockIdx.y * kSlabs + slab;
+  const bool slab_ok = nu < n_units(p.n);
+  const int m0 = blockIdx.z * MT;
+  const int ku_begin = split * p.chunk;
+  const int nt = max(0, min(p.ku_count, ku_begin + p.chunk) - ku_begin);
+
+  const uint32_t table = init_codebook<BITS, T>(p.codebook, codebook_mult<T>(),
+                                                reinterpret_cast<uint32_t*>(smem + C::kLutOff), tid, kThreads);
+  const uint32_t lut_addr = opaque(base + C::kLutOff + 4u * lane);
+  const T* x = static_cast<const T*>(p.x);
+
+  // W of K-tile i -> stage i % kStages, a warp of warpgroup 0 per slab (cp.async, 16 B per lane)
+  const auto issue_w = [&](int i) {
+    if (i < nt && wg == 0) {
+      const int ku = ku_begin + i;
+      const uint32_t wd = base + C::kStageOff + (i % C::kStages) * C::kStageBytes + slab * C::kUnitBytes;
+      const long long unit = (long long)(slab_ok ? nu : 0) * p.ku_count + ku;
+      const uint8_t* ws = reinterpret_cast<const uint8_t*>(p.packed + unit * unit_words(BITS));
+#pragma unroll
+      for (int b = 0; b < BITS; ++b) cp_async16(wd + b * 512 + lane * 16, ws + b * 512 + lane * 16, slab_ok);
+      if (lane < 8) cp_async16(wd + BITS * 512 + lane * 16, p.absmax + unit * kUnitAbsmaxBytes + lane * 16, slab_ok);
+    }
+    cp_async_commit();  // empty groups too: the wait counts below stay uniform
+  };
+  // x of K-tile i: thread tid < 2 MT holds item (row tid / 2, block tid % 2) in registers from
+  // one iteration to the next (x is L2-resident: one iteration of lead covers its latency)
+  const bool x_item = tid < 2 * MT;
+  const int x_r = tid >> 1, x_kb = tid & 1;
+  uint4 xr[4];
+  const auto load_x = [&](int i) {
+    if (x_item && i < nt) load_x_item<T>(p, m0 + x_r, (ku_begin + i) * kUnitK + kBlock * x_kb, xr);
+  };
+  const auto store_x = [&](int i) {
+    if (x_item && i < nt) store_x_item<BITS>(base + C::kPermOff + (i % C::kPerm) * C::kXBytes, x_r, x_kb, xr);
+    fence_proxy_async();
+  };
+
+  float acc[kSets][MT / 2];
+#pragma unroll
+  for (int r = 0; r < kSets; ++r)
+#pragma unroll
+    for (int i = 0; i < MT / 2; ++i) acc[r][i] = 0.f;
+
+#pragma unroll
+  for (int i = 0; i < C::kStages - 1; ++i) issue_w(i);
+  load_x(0);
+  store_x(0);
+  load_x(1);
+
+  constexpr int kA = C::kDoubleA ? 2 : 1;
+  uint32_t A[kA][kSets][2][4];
+  for (int t = 0; t < nt; ++t) {
+    cp_async_wait<C::kStages - 2>();  // this thread's W copies of tile t
+    __syncthreads();  // everyone's: W of t, permuted x of t (and, at t = 0, the codebook table)
+    store_x(t + 1);   // x of t+1: registers -> permuted tile (t-2's slot: its wgmmas are done)
+    load_x(t + 2);
+    issue_w(t + C::kStages - 1);  // into t-1's stage: every warp has read it (barrier above)
+    // this lane's plane words and absmax codes of the unit: words w = 2 kb + h
+    const uint32_t wst = base + C::kStageOff + (t % C::kStages) * C::kStageBytes + slab * C::kUnitBytes;
+    uint32_t pw[2][2 / C::kWG][BITS], codes[2][2 / C::kWG];
+    if constexpr (C::kWG == 1) {
+      uint4 w[BITS];
+#pragma unroll
+      for (int b = 0; b < BITS; ++b) w[b] = lds_v4(wst + b * 512 + lane * 16);
+      const uint4 a = lds_v4(wst + BITS * 512 + g * 16);
+#pragma unroll
+      for (int wi = 0; wi < 4; ++wi) {
+#pragma unroll
+        for (int b = 0; b < BITS; ++b) pw[wi >> 1][wi & 1][b] = comp(w[b], wi);
+        codes[wi >> 1][wi & 1] = comp(a, wi);
+      }
+    } else {  // warpgroup wg reads only its words h = wg
+#pragma unroll
+      for (int kb = 0; kb < 2; ++kb) {
+#pragma unroll
+        for (int b = 0; b < BITS; ++b) pw[kb][0][b] = lds_u32(wst + b * 512 + lane * 16 + (2 * kb + wg) * 4);
+        codes[kb][0] = lds_u32(wst + BITS * 512 + g * 16 + (2 * kb + wg) * 4);
+      }
+    }
+    const uint32_t xt = base + C::kPermOff + (t % C::kPerm) * C::kXBytes;
+#pragma unroll
+    for (int kb = 0; kb < 2; ++kb) {
+      uint32_t(&Ab)[kSets][2][4] = A[C::kDoubleA ? kb : 0];
+#pragma unroll
+      for (int hh = 0; hh < 2 / C::kWG; ++hh)
+        decode_word<BITS, T>(pw[kb][hh], codes[kb][hh], *reinterpret_cast<uint32_t(*)[2][2][4]>(&Ab[2 * hh]),
+                             lut_addr, table);
+#pragma unroll
+      for (int r = 0; r < kSets; ++r) fence_regs(acc[r]);
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int r = 0; r < kSets; ++r) {
+#ifdef KBIT_WG_DEV_NOMMA
+          acc[r][s] += __uint_as_float((Ab[r][s][0] ^ Ab[r][s][1] ^ Ab[r][s][2] ^ Ab[r][s][3]) & 0x3fffffffu) + float(xt);
+#else
+          wgmma_rs<MT, T>(acc[r], Ab[r][s], smem_desc(xt + (2 * kb + s) * 32));
+#endif
+        }
+      wgmma_commit();
+#pragma unroll
+      for (int r = 0; r < kSets; ++r) fence_regs(acc[r]);
+      if constexpr (C::kDoubleA) wgmma_wait<1>(); else wgmma_wait<0>();
+#pragma unroll
+      for (int r = 0; r < kSets; ++r)
+#pragma unroll
+        for (int s = 0; s < 2; ++s) fence_regs(Ab[r][s]);
+    }
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int r = 0; r < kSets; ++r) fence_regs(acc[r]);
+
+  // ---- epilogue. D fragment of wgmma m64nMT, register i = 4j + e of set r: row (in the m64)
+  // 16 slab + g + 8 (e >> 1) = column 64 nu + 16 pr + 8 (e >> 1) + g of y, pr = r + 2 wg
+  // (one warpgroup: pr = r), token 8 j + 2 t4 + (e & 1).
+  const T* bias = static_cast<const T*>(p.bias);
+  T* y = static_cast<T*>(p.y);
+  if (splits == 1) {
+#pragma unroll
+    for (int r = 0; r < kSets; ++r)
+#pragma unroll
+      for (int i = 0; i < MT / 2; ++i) {
+        const int e = i & 3, j = i >> 2, pr = r + 2 * wg;
+        const int col = nu * kUnitN + 16 * pr + 8 * (e >> 1) + g, row = m0 + 8 * j + 2 * t4 + (e & 1);
+        if (slab_ok && col < p.n && row < p.m) {
+          float v = acc[r][i];
+          if (bias != nullptr) v += to_float(bias[col]);
+          y[(long long)row * p.n + col] = from_float<T>(v);
+        }
+      }
+    return;
+  }
+  // split-K: partials to this CTA's shared memory ([element][thread], conflict-free), then CTA
+  // `split` of the cluster sums its slice of the elements over all CTAs in rank order.
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cp_async_wait<0>();
+  __syncthreads();  // pipeline smem is reused
+  float* part = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int r = 0; r < kSets; ++r)
+#pragma unroll
+    for (int i = 0; i < MT / 2; ++i) part[(r * (MT / 2) + i) * kThreads + tid] = acc[r][i];
+  cluster.sync();
+  // four consecutive elements (four threads' partials of one register) per 16-byte DSMEM load
+  constexpr int kElems = C::kAcc * kThreads;
+  static_assert(kThreads % 4 == 0, "float4 slices stay inside one register row");
+  const int per = div_up(div_up(kElems, splits), 4) * 4;
+  const int e0 = split * per, e1 = min(kElems, e0 + per);
+#pragma unroll 2
+  for (int E = e0 + 4 * tid; E < e1; E += 4 * kThreads) {
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int q = 0; q < splits; ++q) {  // rank order: deterministic
+      const float4 r = *reinterpret_cast<const float4*>(cluster.map_shared_rank(part, q) + E);
+      v.x += r.x; v.y += r.y; v.z += r.z; v.w += r.w;
+    }
+    const float vs[4] = {v.x, v.y, v.z, v.w};
+    const int idx = E / kThreads;
+    const int r = idx / (MT / 2), i = idx % (MT / 2), e = i & 3, j = i >> 2;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int th = E % kThreads + u, l_ = th & 31, pr = r + 2 * (th >> 7);
+      const int col = (blockIdx.y * kSlabs + ((th >> 5) & 3)) * kUnitN + 16 * pr + 8 * (e >> 1) + (l_ >> 2);
+      const int row = m0 + 8 * j + 2 * (l_ & 3) + (e & 1);
+      if (col < p.n && row < p.m) {
+        float o = vs[u];
+        if (bias != nullptr) o += to_float(bias[col]);
+        y[(long long)row * p.n + col] = from_float<T>(o);
+      }
+    }
+  }
+  cluster.sync();  // keep this CTA's partials alive until the cluster has read them
+#else
+  __trap();  // not sm_90a code: the host never launches this (wgmma_supported)
+#endif
+}
+
+// Launch one instantiation with `splits` (1..kMaxSplits) CTAs per cluster along K.
+template <int BITS, int MT, typename T>
+cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
+  using C = Cfg<BITS, MT>;
+  const auto kernel = wgmma_kernel<BITS, MT, T>;
+  static bool attr_set = false;  // per instantiation; the attribute is per function, not per device
+  if (!attr_set) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kBytes);
+    if (e != cudaSuccess) return e;
+    attr_set = true;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(splits, div_up(n_units(p.n), kSlabs), div_up(p.m, MT));
+  cfg.blockDim = dim3(C::kThreads, 1, 1);
+  cfg.dynamicSmemBytes = C::kBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = splits;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+// CTAs one SM holds for an instantiation (registers and shared memory), cached.
+template <int BITS, int MT, typename T> int blocks_per_sm() {
+  static int cached = 0;
+  if (cached == 0) {
+    int b = 0;
+    const auto kernel = wgmma_kernel<BITS, MT, T>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<BITS, MT>::kBytes) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, Cfg<BITS, MT>::kThreads, Cfg<BITS, MT>::kBytes) != cudaSuccess)
+      b = 1;
+    cached = b > 0 ? b : 1;
+  }
+  return cached;
+}
+
+// Split-K factor from the shape alone: the fewest waves of CTAs times the K-tiles each CTA
+// streams plus a fixed cost per CTA (pipeline fill, table, reduction ~ kSplitCost K-tiles).
+inline int choose_splits(long long ctas, int ku, int slots) {
+  constexpr int kSplitCost = 3;
+  int best = 1;
+  long long best_cost = -1;
+  for (int s = 1; s <= kMaxSplits && s <= ku; ++s) {
+    if (s > 1 && div_up(ku, s) < 2) break;  // at least two K-tiles per CTA
+    const long long waves = (ctas * s + slots - 1) / slots;
+    const long long cost = waves * (div_up(ku, s) + kSplitCost);
+    if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
+  }
+  return best;
+}
+
+// Token tile from M. Debug override for tuning: KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128 (read on
+// every call, unset in production).
+inline int tile_m(int m) {
+  if (const char* f = std::getenv("KBIT_WGMMA_TILE_M")) {
+    const int t = std::atoi(f);
+    if (t == 16 || t == 32 || t == 64 || t == 128) return t;
+  }
+  return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
+}
+
+// The plan of one call: [tile_m, splits, grid x (splits), grid y (256-column groups), grid z
+// (token tiles)]. `splits` > 0 forces the split factor (clamped to 1..min(8, K-tiles)).
+template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, int* out) {
+  const int mt = tile_m(p.m);
+  const int gy = div_up(n_units(p.n), kSlabs), gz = div_up(p.m, mt);
+  const int bps = mt == 16   ? blocks_per_sm<BITS, 16, T>()
+                  : mt == 32 ? blocks_per_sm<BITS, 32, T>()
+                  : mt == 64 ? blocks_per_sm<BITS, 64, T>()
+                             : blocks_per_sm<BITS, 128, T>();
+  int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, bps * num_sms);
+  s = s < 1 ? 1 : s > kMaxSplits ? kMaxSplits : s > p.ku_count ? p.ku_count : s;
+  p.chunk = div_up(p.ku_count, s);
+  s = div_up(p.ku_count, p.chunk);  // no empty CTA
+  out[0] = mt; out[1] = s; out[2] = s; out[3] = gy; out[4] = gz;
+}
+
+template <int BITS, typename T>
+cudaError_t launch_t2(Params p, int splits, int num_sms, cudaStream_t stream, int* plan) {
+  int local[5];
+  int* pl = plan != nullptr ? plan : local;
+  plan_t<BITS, T>(p, splits, num_sms, pl);
+  if (plan != nullptr && p.x == nullptr) return cudaSuccess;  // plan query only
+  switch (pl[0]) {
+    case 16: return launch_t<BITS, 16, T>(p, pl[1], stream);
+    case 32: return launch_t<BITS, 32, T>(p, pl[1], stream);
+    case 64: return launch_t<BITS, 64, T>(p, pl[1], stream);
+    default: return launch_t<BITS, 128, T>(p, pl[1], stream);
+  }
+}
+
+// Entry point of one bit width (instantiated in generated/wgmma_k<BITS>.cu). With `plan`
+// non-null and x null, only fills the plan.
+template <int BITS>
+cudaError_t launch_bits(DType dtype, const Params& p, int splits, int num_sms, cudaStream_t stream, int* plan) {
+  if (dtype == DType::kHalf) return launch_t2<BITS, __half>(p, splits, num_sms, stream, plan);
+  if (dtype == DType::kBFloat16) return launch_t2<BITS, __nv_bfloat16>(p, splits, num_sms, stream, plan);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace wg
+}  // namespace kbit

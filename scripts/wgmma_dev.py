@@ -1,0 +1,103 @@
+"""Probe variants of the wgmma kernel (csrc/kbit_wgmma.cuh) without the torch extension: each
+variant is a -D flag set (KBIT_WG_DEV_*: NODECODE, NOMMA, STAGES=n), built with nvcc
+into its own shared library (in parallel) and timed through ctypes on K=4 fp16, L2 flushed,
+median. Answers "where does the time go" in one device call.
+usage: python3 scripts/wgmma_dev.py VARIANT [VARIANT ...]   (VARIANT: comma list of flags, "base" = none)
+"""
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = [(57344, 8192), (8192, 28672), (4096, 4096)]
+MS = [16, 64, 128]
+if os.environ.get("WGDEV_ONLY"):  # e.g. "57344x8192:64" (one case, for ncu)
+    _s, _m = os.environ["WGDEV_ONLY"].split(":")
+    SHAPES, MS = [tuple(int(v) for v in _s.split("x"))], [int(_m)]
+
+
+def build(variant):
+    flags = [] if variant == "base" else [f"-DKBIT_WG_DEV_{f}" for f in variant.split(",")]
+    out = f"/tmp/wgdev/{variant.replace(',', '_').replace('=', '')}"
+    os.makedirs(out, exist_ok=True)
+    common = ["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-DKBIT_HAS_SM90A", "-O3", "-std=c++17",
+              "--use_fast_math", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC", "-Icsrc", *flags]
+    objs = []
+    for src in ("csrc/kbit_wgmma.cu", "csrc/generated/wgmma_k4.cu", "scripts/wgmma_capi.cu"):
+        o = os.path.join(out, os.path.basename(src) + ".o")
+        r = subprocess.run([*common, "-c", src, "-o", o], cwd=ROOT, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"{variant}: {src}: {r.stderr[-2000:]}")
+        objs.append(o)
+    lib = os.path.join(out, "lib.so")
+    subprocess.run(["nvcc", "-shared", "-gencode", "arch=compute_90a,code=sm_90a", *objs, "-o", lib], check=True)
+    return variant, lib
+
+
+def timer(fn, reps=30):
+    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        fn()
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in evs:
+        flush.zero_()
+        a.record(); fn(); b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in evs)
+
+
+def measure(variant, lib):
+    """Times one variant (its own process: one static CUDA runtime per library)."""
+    sys.path.insert(0, ROOT)
+    from vllm_kbit import format as kf
+    f = ctypes.CDLL(lib, mode=os.RTLD_LAZY).kbit_wgmma_c  # only K=4 is linked
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cb = kf.normal_float_codebook(4, "cuda")
+    for n, k in SHAPES:
+        packed = torch.randint(-2**31, 2**31 - 1, ((n + 63) // 64 * (k // 64) * 4 * 128,), device="cuda", dtype=torch.int32)
+        ap = torch.randint(0x30, 0x90, ((n + 63) // 64 * (k // 64) * 128,), device="cuda", dtype=torch.int32).to(torch.uint8)
+        for m in MS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            y = torch.empty(m, n, device="cuda", dtype=torch.float16)
+            stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+            call = lambda: f(0, ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(packed.data_ptr()),  # noqa: E731
+                             ctypes.c_void_p(ap.data_ptr()), ctypes.c_void_p(cb.data_ptr()),
+                             ctypes.c_void_p(y.data_ptr()), m, n, k, 4, sms, stream, 0)
+            rc = call()
+            torch.cuda.synchronize()
+            print(f"RESULT {n}x{k} M={m} {variant} " + (f"{timer(call):.1f}" if rc == 0 else f"rc={rc}"), flush=True)
+
+
+def main():
+    if sys.argv[1] == "--one":
+        measure(sys.argv[2], sys.argv[3])
+        return
+    if sys.argv[1] == "--build":  # build only, print the library paths
+        for v in sys.argv[2:]:
+            print(build(v)[1])
+        return
+    variants = sys.argv[1:] or ["base"]
+    with ThreadPoolExecutor(len(variants)) as ex:
+        libs = dict(ex.map(build, variants))
+    table = {}
+    for v, lib in libs.items():
+        r = subprocess.run([sys.executable, __file__, "--one", v, lib], capture_output=True, text=True)
+        if r.returncode:
+            print(f"{v}: failed\n{r.stderr[-1500:]}", flush=True)
+        for line in r.stdout.splitlines():
+            if line.startswith("RESULT "):
+                _, shape, m, var, t = line.split()
+                table.setdefault(f"{shape} {m}", {})[var] = t
+    print("us per call (K=4 fp16, L2 flushed, median of 30)")
+    print(f"{'shape M':<20}" + "".join(f"{v:>22}" for v in libs))
+    for key, row in table.items():
+        print(f"{key:<20}" + "".join(f"{row.get(v, '-'):>22}" for v in libs))
+
+
+if __name__ == "__main__":
+    main()

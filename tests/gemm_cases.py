@@ -1,0 +1,59 @@
+"""Shared checks of the tensor-core kbit paths (test_mma_gpu.py, test_wgmma_gpu.py).
+
+Weights are random codebook indices and E4M4 codes in the checkpoint layout (format.py),
+tiled by kbit::repack, so a check covers repack + kernel end to end against a float64 matmul
+of the dequantized weight: relative Frobenius error < 2e-3 (fp16) / 1e-2 (bf16). Every output
+element must be written: the block the op's output will land in is NaN-filled first (caching
+allocator), and each case runs twice with fresh x.
+"""
+import torch
+
+from vllm_kbit import format as kf
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+_cache = {}
+
+
+def weight(n, k, bits, tiny=False):
+    """(packed, absmax_packed, codebook, W float64 [n, k]) for random indices and codes."""
+    key = (n, k, bits, tiny)
+    if key not in _cache:
+        _cache.clear()
+        g = torch.Generator(device="cuda").manual_seed(1000 * bits + n + 7 * k + tiny)
+        idx = torch.randint(0, 1 << bits, (n, k), generator=g, device="cuda").to(torch.uint8)
+        # realistic absmax 2^-4 .. 2^-1 (codes 0x70..0x9F); `tiny`: subnormal codes only,
+        # which the bf16 paths turn into bf16 subnormal scales
+        lo, hi = (1, 16) if tiny else (0x70, 0xA0)
+        codes = torch.randint(lo, hi, (n, k // 32), generator=g, device="cuda").to(torch.uint8)
+        qweight = kf.pack_bitplanes(idx, bits)
+        packed, absmax = torch.ops.kbit.repack(qweight, codes, bits)
+        cb = kf.normal_float_codebook(bits, "cuda")
+        w = cb.double()[idx.long()] * kf.decode_e4m4(codes).double().repeat_interleave(32, dim=1)
+        _cache[key] = (packed, absmax, cb, w)
+    return _cache[key]
+
+
+def run(path, x, packed, absmax, cb, bits, n, k, bias=None, splits=0):
+    # NaN-poison the block the op's output will be allocated from (same size, same stream).
+    poison = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
+    del poison
+    return torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, bias, path, splits)
+
+
+def check(path, m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0, splits=0, describe=lambda: ""):
+    """Two runs with fresh x against float64; returns ([(x, y)], (packed, absmax, cb, bias))."""
+    packed, absmax, cb, w = weight(n, k, bits, tiny)
+    b = (torch.randn(n, device="cuda") * 0.5).to(dtype) if bias else None
+    outs = []
+    for _ in range(2):  # fresh x each time: a stale output from the last call cannot pass
+        x = (torch.randn(m, k, device="cuda") * x_scale).to(dtype)
+        y = run(path, x, packed, absmax, cb, bits, n, k, b, splits)
+        ref = x.double() @ w.t()
+        if b is not None:
+            ref += b.double()
+        where = f"m={m} n={n} k={k} bits={bits} {dtype} splits={splits} {describe()}"
+        assert torch.isfinite(y).all(), f"non-finite output (unwritten?) {where}"
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < TOL[dtype], f"relative error {err:.3e} {where}"
+        outs.append((x, y))
+    return outs, (packed, absmax, cb, b)

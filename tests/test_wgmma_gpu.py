@@ -1,0 +1,129 @@
+"""wgmma kbit GEMM (csrc/kbit_wgmma.cuh, Hopper sm_90a) on the GPU, through
+torch.ops.kbit.gemm_path(path=4).
+
+The checks (tests/gemm_cases.py): repack + kernel against a float64 matmul of the dequantized
+weight, NaN-poisoned outputs, two runs with fresh x each. Split-K runs as a thread-block
+cluster reduced in rank order, so every result is bitwise deterministic; the split cases are
+rerun with the same x and compared bitwise. Forced split factors cover 1 (no cluster), odd and
+uneven chunks and the maximum 8; kbit::wgmma_plan reports what ran. Skips off Hopper or on a
+build without 9.0a in TORCH_CUDA_ARCH_LIST.
+"""
+import pytest
+import torch
+
+import gemm_cases
+from gemm_cases import TOL, weight
+
+pytestmark = pytest.mark.gpu
+
+WGMMA_PATH = 4
+ALL_M = [17, 31, 32, 33, 48, 64, 127, 128, 255, 256, 512, 1000, 1024, 4096]
+
+
+def _have_wgmma():
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from vllm_kbit import ops
+        return ops.HAS_CUDA_KERNELS and bool(torch.ops.kbit.has_wgmma())
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
+if not _have_wgmma():
+    pytest.skip("needs an sm_90 GPU and vllm_kbit._C built for 9.0a", allow_module_level=True)
+
+
+def plan(m, n, k, bits, dtype=torch.float16, splits=0):
+    tile_m, s, gx, gy, gz = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
+    return dict(tile_m=tile_m, splits=s, grid=(gx, gy, gz))
+
+
+def check(m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0, splits=0):
+    return gemm_cases.check(WGMMA_PATH, m, n, k, bits, dtype, bias, tiny, x_scale, splits,
+                            describe=lambda: f"plan={plan(m, n, k, bits, dtype, splits)}")
+
+
+@pytest.mark.parametrize("m", ALL_M)
+def test_all_m_odd_shape(m):
+    # N = 4104: a partial 64-column slab and a partial 4-slab CTA; K = 4128 = 32 * 129: the last
+    # K-tile holds one 32-block (x zero-filled past K); M tails in the last token tile.
+    check(m, 4104, 4128, 4, torch.float16, bias=(m % 2 == 1))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_bits_dtypes(bits, dtype):
+    for m in (17, 33, 64, 200):  # token tiles of 32, 64, 64 and two of 128 (two warpgroups)
+        check(m, 4104, 4128, bits, dtype, bias=True)
+    check(40, 200, 96, bits, dtype, bias=True)  # tiny N (one CTA, slabs past N) and K = 3 blocks
+    check(64, 4096, 4096, bits, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_subnormal_scales(dtype):
+    # Every block's absmax is an E4M4 subnormal: the kernel builds scales from the code bits
+    # (fp16 code << 6, bf16 code << 3, the constant folded into the codebook); a flushed
+    # subnormal would give zeros.
+    check(48, 1000, 2080, 4, dtype, tiny=True, x_scale=256.0)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 8])
+@pytest.mark.parametrize("m", [24, 64, 100])
+def test_forced_splits(splits, m):
+    # K = 4128: 65 K-tiles -> chunks of 33/32, 22/22/21, 9 x 7 + 2 (8 splits); N = 1000.
+    assert plan(m, 1000, 4128, 3, splits=splits)["splits"] == splits
+    for bits, dtype in ((3, torch.float16), (5, torch.bfloat16)):
+        check(m, 1000, 4128, bits, dtype, bias=True, splits=splits)
+
+
+def test_plans_use_split_k_and_not():
+    assert plan(64, 4096, 4096, 4)["splits"] > 1          # 16 CTAs without splitting
+    assert plan(64, 57344, 8192, 4)["splits"] == 1        # 224 CTAs already
+    assert plan(17, 4096, 4096, 4)["tile_m"] == 32 and plan(16, 4096, 4096, 4)["tile_m"] == 16
+    assert plan(200, 4096, 4096, 4)["tile_m"] == 128 and plan(200, 4096, 4096, 4)["grid"][2] == 2
+
+
+@pytest.mark.parametrize("m,n,k,bits,dtype", [
+    (64, 4096, 4096, 4, torch.float16),      # split-K
+    (33, 4104, 4128, 3, torch.bfloat16),     # split-K, odd K-tiles
+    (256, 4104, 4128, 5, torch.float16),
+    (17, 57344, 1024, 2, torch.bfloat16),
+])
+def test_deterministic(m, n, k, bits, dtype):
+    outs, (packed, absmax, cb, b) = check(m, n, k, bits, dtype, bias=True)
+    for x, y in outs:
+        y2 = gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, n, k, b)
+        assert torch.equal(y.view(torch.int16), y2.view(torch.int16)), "not bitwise deterministic"
+
+
+def test_auto_path_uses_wgmma():
+    # kbit::gemm's own dispatch gives the same bits as the forced wgmma path above the GEMV limit
+    n, k, bits = 1000, 2048, 4
+    packed, absmax, cb, w = weight(n, k, bits)
+    lo, hi = torch.ops.kbit.gemv_max_m(bits), torch.ops.kbit.wgmma_max_m(bits)
+    assert lo < hi
+    for m in (lo + 1, 64, hi):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        y_auto = torch.ops.kbit.gemm(x, packed, absmax, cb, bits, n, k, None)
+        y_wg = gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, n, k)
+        assert torch.equal(y_auto, y_wg), f"m={m}"
+
+
+def test_cuda_graph_capture():
+    m, n, k, bits = 64, 4096, 4096, 4   # split-K cluster launch inside the graph
+    packed, absmax, cb, w = weight(n, k, bits)
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, n, k)  # warm up outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g):
+        y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, WGMMA_PATH, 0)
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        ref = x.double() @ w.t()
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < TOL[torch.float16]
