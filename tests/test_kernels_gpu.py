@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu,
 DEV = "cuda"
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 ALL_M = [1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 33, 64, 256, 1024]
-PATH_AUTO, PATH_GEMV, PATH_MMA, PATH_DEQUANT = 0, 1, 2, 3
+PATH_AUTO, PATH_GEMV, PATH_MMA, PATH_DEQUANT, PATH_WGMMA = 0, 1, 2, 3, 4
 
 
 def _poison_allocator():
@@ -183,8 +183,13 @@ def test_auto_dispatch_thresholds(bits):
     _, _, packed, ap, _, cb = _case(n, k, bits)
     g, d = torch.ops.kbit.gemv_max_m(bits), torch.ops.kbit.dequant_min_m(bits)
     cases = [(g, PATH_GEMV), (d, PATH_DEQUANT)]
+    mid = g + 1  # first M past the GEMV: wgmma on Hopper builds with 9.0a, else the mma.sync kernel
+    if torch.ops.kbit.has_wgmma():
+        w = torch.ops.kbit.wgmma_max_m(bits)
+        cases += [(g + 1, PATH_WGMMA), (w, PATH_WGMMA)]
+        mid = w + 1
     if torch.ops.kbit.has_mma():
-        cases += [(g + 1, PATH_MMA), (d - 1, PATH_MMA)]
+        cases += [(mid, PATH_MMA), (d - 1, PATH_MMA)]
     for m, path in cases:
         x = torch.randn(m, k, device=DEV, dtype=torch.float16)
         auto = torch.ops.kbit.gemm(x, packed, ap, cb, bits, n, k)
