@@ -7,19 +7,22 @@
 // Then the weights never round-trip through shared memory after decode, the tokens are the
 // wgmma N dimension (16..64 here, the sizes decode batches have), and the instruction is
 // asynchronous: the tensor cores multiply one 32-block while the warps decode the next.
-//   * CTA = one warpgroup (4 warps); warp w owns the 64-column slab 4 * blockIdx.y + w, i.e.
+//   * a warpgroup (4 warps): warp w owns the 64-column slab w of the CTA's slabs, i.e.
 //     exactly the lane-local fragments of kbit_layout.cuh (no data crosses lanes or warps).
 //     A wgmma m64 tile takes rows 16w..16w+15 from warp w, so row tile `pr` of the four warps'
 //     units forms one m64 (rows permuted across slabs; the epilogue maps them back): four
-//     accumulator sets of 64 x MT per CTA, i.e. 256 columns x MT tokens, 2 * MT fp32 / thread.
+//     accumulator sets of 64 x MT per warpgroup, 256 columns x MT tokens, 2 MT fp32 / thread.
+//     CTA = one warpgroup (256 columns); or two sharing one x tile (512 columns, half the x
+//     traffic per weight; plan_t says when); or, at MT = 128, two that split each unit's row
+//     tiles between them (the A registers then feed 128 tokens).
 //   * per 32-block: decode (kbit_decode.cuh: the GEMV's pair tables, codebook pre-multiplied
 //     by the E4M4 constant, then one HMUL2 by the block's scale) -> 8 wgmma (4 row tiles x
-//     2 k16 steps). For MT <= 32 the A registers are double-buffered, so block b+1 decodes
-//     while block b multiplies; at MT = 64 the accumulators leave no room and two CTAs per SM
-//     overlap instead.
-//   * x goes global -> registers one K-tile ahead (it is L2-resident), then each thread stores
-//     its item permuted into the decoder's k order (kbit_decode.cuh) and into the 128-byte
-//     swizzled K-major tile wgmma's descriptor describes; fence.proxy.async publishes those
+//     2 k16 steps) into two alternating A buffers: block b+1 decodes while block b multiplies
+//     (wgmma.wait_group 1).
+//   * x goes global -> registers kXGroups K-tiles ahead (it is L2-resident; thread groups take
+//     turns when a tile has fewer items than threads), then each thread stores its item
+//     permuted into the decoder's k order (kbit_decode.cuh) and into the 128-byte swizzled
+//     K-major tile wgmma's descriptor describes; fence.proxy.async publishes those
 //     generic-proxy writes to the tensor core's async proxy.
 //   * W: each warp cp.asyncs its own unit per K-tile (no CTA-wide data), as many stages deep as
 //     shared memory allows (the DRAM stream), and each lane reads back only its own 16 B per
@@ -55,8 +58,7 @@
 namespace kbit {
 namespace wg {
 
-constexpr int kSlabs = 4;               // one 64-column layout slab per warp (of a warpgroup)
-constexpr int kCtaN = kSlabs * kUnitN;  // 256 output columns per CTA
+constexpr int kSlabs = 4;               // one 64-column layout slab per warp of a warpgroup
 constexpr int kMaxSplits = 8;           // portable cluster size
 
 struct Params {
@@ -71,19 +73,28 @@ struct Params {
   int chunk;                 // K-tiles per split
 };
 
-template <int BITS, int MT> struct Cfg {
+// MT tokens x CN columns per CTA.
+template <int BITS, int MT, int CN> struct Cfg {
   static_assert(MT == 16 || MT == 32 || MT == 64 || MT == 128, "wgmma N (tokens per CTA): 16, 32, 64 or 128");
+  static_assert(CN == 256 || (CN == 512 && MT <= 64), "256 columns, or 512 (two warpgroups) up to 64 tokens");
   // MT = 128: two warpgroups; warpgroup h takes row tiles 2h, 2h+1 of every slab (the lane's
-  // words h and 2+h), so each decodes half of each unit and the A registers feed 128 tokens
-  static constexpr int kWG = MT == 128 ? 2 : 1;
+  // words h and 2+h), so each decodes half of each unit and the A registers feed 128 tokens.
+  // CN = 512: two warpgroups of four slabs each share one x tile (half the x traffic per weight).
+  static constexpr bool kSplitRows = MT == 128;
+  static constexpr int kSlabsCta = CN / kUnitN;             // slabs (64 columns) per CTA
+  static constexpr int kWG = kSplitRows ? 2 : kSlabsCta / kSlabs;
   static constexpr int kThreads = 128 * kWG;
-  static constexpr int kSets = 4 / kWG;                     // accumulator sets (row tiles) per thread
+  static constexpr int kSets = kSplitRows ? 2 : 4;          // accumulator sets (row tiles) per thread
+  static constexpr int kHalves = kSplitRows ? 1 : 2;        // plane words h a warp decodes per block
+  static constexpr int kXItems = 2 * MT;                    // x items (row, 32-block) per K-tile
+  static constexpr int kXGroups = kThreads / kXItems;       // thread groups taking turns on x tiles
+  static_assert(kThreads % kXItems == 0, "x items divide the threads");
   static constexpr int kUnitBytes = BITS * 512 + kUnitAbsmaxBytes;  // one layout unit
   static constexpr int kXBytes = MT * 128;    // MT rows x 64 k x 2 B; a multiple of the 1 KB swizzle atom
   // two A buffers: block b+1 decodes while block b multiplies (fits: <= 233 registers at MT 64)
   static constexpr bool kDoubleA = true;
   static constexpr int kPerm = 3;  // permuted x tiles: t (read), t+1 (written), t-1 (wgmma may still read)
-  static constexpr int kStageBytes = kSlabs * kUnitBytes;  // one K-tile of W (the 4 slabs' units)
+  static constexpr int kStageBytes = kSlabsCta * kUnitBytes;  // one K-tile of W (the slabs' units)
   static constexpr int kFixedBytes = kPerm * kXBytes + PairTable<BITS>::kLutBytes;
   // W stages: as deep as fits next to the fixed part in the shared memory of one CTA when two
   // share an SM (one-warpgroup tiles) or of a whole SM (two warpgroups), capped at 8. The W
@@ -105,7 +116,6 @@ template <int BITS, int MT> struct Cfg {
   static constexpr int kBytes = (kPipeBytes > kRedBytes ? kPipeBytes : kRedBytes) + 1024;  // + alignment
   static_assert(kXBytes % 1024 == 0 && kUnitBytes % 16 == 0, "swizzle atoms and 16 B cp.async");
   static_assert(kStages >= 2, "the loop waits for tile t while tile t+kStages-1 is issued");
-  static_assert(MT * 2 <= kThreads, "one x item (row, 32-block) per thread and K-tile at most");
   static_assert(kBytes <= 227 * 1024, "fits one SM's shared memory");
 };
 
@@ -267,20 +277,21 @@ __device__ __forceinline__ void store_x_item(uint32_t dst, int r, int kb, const 
   sts_v4(dst + r * 128 + (((4 * kb + 3) ^ (r & 7)) << 4), mix(a1, b1, 0x7632));
 }
 
-template <int BITS, int MT, typename T>
-__global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) wgmma_kernel(const Params p) {
+template <int BITS, int MT, int CN, typename T>
+__global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(const Params p) {
 #if KBIT_WGMMA_DEVICE
-  using C = Cfg<BITS, MT>;
+  using C = Cfg<BITS, MT, CN>;
   constexpr int kThreads = C::kThreads, kSets = C::kSets;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
   uint8_t* smem = smem_raw + (base - raw_addr);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int slab = warp & 3, wg = warp >> 2;  // wgmma takes rows 16 (warp % 4) + ... from this warp
+  // wgmma takes rows 16 (warp % 4) + ... from this warp; split rows: both warpgroups share slabs
+  const int slab = C::kSplitRows ? (warp & 3) : warp, wg = warp >> 2;
   const int g = lane >> 2, t4 = lane & 3;
   const int split = blockIdx.x, splits = gridDim.x;
-  const int nu = blockIdx.y * kSlabs + slab;
+  const int nu = blockIdx.y * C::kSlabsCta + slab;
   const bool slab_ok = nu < n_units(p.n);
   const int m0 = blockIdx.z * MT;
   const int ku_begin = split * p.chunk;
@@ -289,11 +300,10 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) wgmma_kernel(const
   const uint32_t table = init_codebook<BITS, T>(p.codebook, codebook_mult<T>(),
                                                 reinterpret_cast<uint32_t*>(smem + C::kLutOff), tid, kThreads);
   const uint32_t lut_addr = opaque(base + C::kLutOff + 4u * lane);
-  const T* x = static_cast<const T*>(p.x);
 
-  // W of K-tile i -> stage i % kStages, a warp of warpgroup 0 per slab (cp.async, 16 B per lane)
+  // W of K-tile i -> stage i % kStages, one warp per slab (cp.async, 16 B per lane)
   const auto issue_w = [&](int i) {
-    if (i < nt && wg == 0) {
+    if (i < nt && (!C::kSplitRows || wg == 0)) {
       const int ku = ku_begin + i;
       const uint32_t wd = base + C::kStageOff + (i % C::kStages) * C::kStageBytes + slab * C::kUnitBytes;
       const long long unit = (long long)(slab_ok ? nu : 0) * p.ku_count + ku;
@@ -304,17 +314,22 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) wgmma_kernel(const
     }
     cp_async_commit();  // empty groups too: the wait counts below stay uniform
   };
-  // x of K-tile i: thread tid < 2 MT holds item (row tid / 2, block tid % 2) in registers from
-  // one iteration to the next (x is L2-resident: one iteration of lead covers its latency)
-  const bool x_item = tid < 2 * MT;
-  const int x_r = tid >> 1, x_kb = tid & 1;
+  // x of K-tile i: thread group q = tid / (2 MT) takes the tiles i = q mod kXGroups and holds
+  // item (row, block) = (tid % 2MT) / 2, tid % 2 of its next tile in registers, loaded
+  // kXGroups iterations ahead (x comes from L2; at MT = 16 that is four iterations of lead)
+  const int xq = tid / C::kXItems, x_r = (tid % C::kXItems) >> 1, x_kb = tid & 1;
   uint4 xr[4];
   const auto load_x = [&](int i) {
-    if (x_item && i < nt) load_x_item<T>(p, m0 + x_r, (ku_begin + i) * kUnitK + kBlock * x_kb, xr);
+#ifdef KBIT_WG_DEV_NOX
+    return;
+#endif
+    if (i < nt) load_x_item<T>(p, m0 + x_r, (ku_begin + i) * kUnitK + kBlock * x_kb, xr);
   };
   const auto store_x = [&](int i) {
-    if (x_item && i < nt) store_x_item<BITS>(base + C::kPermOff + (i % C::kPerm) * C::kXBytes, x_r, x_kb, xr);
-    fence_proxy_async();
+#ifdef KBIT_WG_DEV_NOX
+    return;
+#endif
+    if (i < nt) store_x_item<BITS>(base + C::kPermOff + (i % C::kPerm) * C::kXBytes, x_r, x_kb, xr);
   };
 
   float acc[kSets][MT / 2];
@@ -325,22 +340,28 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) wgmma_kernel(const
 
 #pragma unroll
   for (int i = 0; i < C::kStages - 1; ++i) issue_w(i);
-  load_x(0);
-  store_x(0);
-  load_x(1);
+  load_x(xq);
+  if (xq == 0) {
+    store_x(0);
+    load_x(C::kXGroups);
+  }
+  fence_proxy_async();
 
   constexpr int kA = C::kDoubleA ? 2 : 1;
   uint32_t A[kA][kSets][2][4];
   for (int t = 0; t < nt; ++t) {
     cp_async_wait<C::kStages - 2>();  // this thread's W copies of tile t
     __syncthreads();  // everyone's: W of t, permuted x of t (and, at t = 0, the codebook table)
-    store_x(t + 1);   // x of t+1: registers -> permuted tile (t-2's slot: its wgmmas are done)
-    load_x(t + 2);
+    if ((t + 1) % C::kXGroups == xq) {  // x of t+1: registers -> permuted tile (t-2's slot: done)
+      store_x(t + 1);
+      load_x(t + 1 + C::kXGroups);
+    }
+    fence_proxy_async();
     issue_w(t + C::kStages - 1);  // into t-1's stage: every warp has read it (barrier above)
     // this lane's plane words and absmax codes of the unit: words w = 2 kb + h
     const uint32_t wst = base + C::kStageOff + (t % C::kStages) * C::kStageBytes + slab * C::kUnitBytes;
-    uint32_t pw[2][2 / C::kWG][BITS], codes[2][2 / C::kWG];
-    if constexpr (C::kWG == 1) {
+    uint32_t pw[2][C::kHalves][BITS], codes[2][C::kHalves];
+    if constexpr (!C::kSplitRows) {
       uint4 w[BITS];
 #pragma unroll
       for (int b = 0; b < BITS; ++b) w[b] = lds_v4(wst + b * 512 + lane * 16);
@@ -364,7 +385,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) wgmma_kernel(const
     for (int kb = 0; kb < 2; ++kb) {
       uint32_t(&Ab)[kSets][2][4] = A[C::kDoubleA ? kb : 0];
 #pragma unroll
-      for (int hh = 0; hh < 2 / C::kWG; ++hh)
+      for (int hh = 0; hh < C::kHalves; ++hh)
         decode_word<BITS, T>(pw[kb][hh], codes[kb][hh], *reinterpret_cast<uint32_t(*)[2][2][4]>(&Ab[2 * hh]),
                              lut_addr, table);
 #pragma unroll
@@ -404,7 +425,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) wgmma_kernel(const
     for (int r = 0; r < kSets; ++r)
 #pragma unroll
       for (int i = 0; i < MT / 2; ++i) {
-        const int e = i & 3, j = i >> 2, pr = r + 2 * wg;
+        const int e = i & 3, j = i >> 2, pr = r + (C::kSplitRows ? 2 * wg : 0);
         const int col = nu * kUnitN + 16 * pr + 8 * (e >> 1) + g, row = m0 + 8 * j + 2 * t4 + (e & 1);
         if (slab_ok && col < p.n && row < p.m) {
           float v = acc[r][i];
@@ -443,8 +464,9 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) wgmma_kernel(const
     const int r = idx / (MT / 2), i = idx % (MT / 2), e = i & 3, j = i >> 2;
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int th = E % kThreads + u, l_ = th & 31, pr = r + 2 * (th >> 7);
-      const int col = (blockIdx.y * kSlabs + ((th >> 5) & 3)) * kUnitN + 16 * pr + 8 * (e >> 1) + (l_ >> 2);
+      const int th = E % kThreads + u, l_ = th & 31, pr = r + (C::kSplitRows ? 2 * (th >> 7) : 0);
+      const int slab_ = C::kSplitRows ? ((th >> 5) & 3) : (th >> 5);
+      const int col = (blockIdx.y * C::kSlabsCta + slab_) * kUnitN + 16 * pr + 8 * (e >> 1) + (l_ >> 2);
       const int row = m0 + 8 * j + 2 * (l_ & 3) + (e & 1);
       if (col < p.n && row < p.m) {
         float o = vs[u];
@@ -460,10 +482,10 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) wgmma_kernel(const
 }
 
 // Launch one instantiation with `splits` (1..kMaxSplits) CTAs per cluster along K.
-template <int BITS, int MT, typename T>
+template <int BITS, int MT, int CN, typename T>
 cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
-  using C = Cfg<BITS, MT>;
-  const auto kernel = wgmma_kernel<BITS, MT, T>;
+  using C = Cfg<BITS, MT, CN>;
+  const auto kernel = wgmma_kernel<BITS, MT, CN, T>;
   static bool attr_set = false;  // per instantiation; the attribute is per function, not per device
   if (!attr_set) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kBytes);
@@ -471,7 +493,7 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
     attr_set = true;
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(splits, div_up(n_units(p.n), kSlabs), div_up(p.m, MT));
+  cfg.gridDim = dim3(splits, div_up(n_units(p.n), C::kSlabsCta), div_up(p.m, MT));
   cfg.blockDim = dim3(C::kThreads, 1, 1);
   cfg.dynamicSmemBytes = C::kBytes;
   cfg.stream = stream;
@@ -486,13 +508,14 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
 }
 
 // CTAs one SM holds for an instantiation (registers and shared memory), cached.
-template <int BITS, int MT, typename T> int blocks_per_sm() {
+template <int BITS, int MT, int CN, typename T> int blocks_per_sm() {
+  using C = Cfg<BITS, MT, CN>;
   static int cached = 0;
   if (cached == 0) {
     int b = 0;
-    const auto kernel = wgmma_kernel<BITS, MT, T>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<BITS, MT>::kBytes) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, Cfg<BITS, MT>::kThreads, Cfg<BITS, MT>::kBytes) != cudaSuccess)
+    const auto kernel = wgmma_kernel<BITS, MT, CN, T>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kBytes) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, C::kThreads, C::kBytes) != cudaSuccess)
       b = 1;
     cached = b > 0 ? b : 1;
   }
@@ -514,43 +537,73 @@ inline int choose_splits(long long ctas, int ku, int slots) {
   return best;
 }
 
-// Token tile from M. Debug override for tuning: KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128 (read on
-// every call, unset in production).
+// Debug overrides for tuning, read on every call, unset in production:
+// KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128 and KBIT_WGMMA_WIDE = 0 | 1 (512-column CTAs at tiles
+// <= 64 never / always).
+inline int env_int(const char* name, int fallback) {
+  const char* f = std::getenv(name);
+  return f != nullptr && *f != '\0' ? std::atoi(f) : fallback;
+}
 inline int tile_m(int m) {
-  if (const char* f = std::getenv("KBIT_WGMMA_TILE_M")) {
-    const int t = std::atoi(f);
-    if (t == 16 || t == 32 || t == 64 || t == 128) return t;
-  }
+  const int t = env_int("KBIT_WGMMA_TILE_M", 0);
+  if (t == 16 || t == 32 || t == 64 || t == 128) return t;
   return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
 }
 
-// The plan of one call: [tile_m, splits, grid x (splits), grid y (256-column groups), grid z
-// (token tiles)]. `splits` > 0 forces the split factor (clamped to 1..min(8, K-tiles)).
+// The plan of one call: [tile_m, splits, grid x (splits), grid y (column groups), grid z
+// (token tiles), columns per CTA]. `splits` > 0 forces the split factor (clamped to
+// 1..min(8, K-tiles)).
+template <int BITS, typename T> int bps_for(int mt, int cn) {
+  if (cn == 512)
+    return mt == 16 ? blocks_per_sm<BITS, 16, 512, T>() : mt == 32 ? blocks_per_sm<BITS, 32, 512, T>()
+                                                          : blocks_per_sm<BITS, 64, 512, T>();
+  return mt == 16   ? blocks_per_sm<BITS, 16, 256, T>()
+         : mt == 32 ? blocks_per_sm<BITS, 32, 256, T>()
+         : mt == 64 ? blocks_per_sm<BITS, 64, 256, T>()
+                    : blocks_per_sm<BITS, 128, 256, T>();
+}
+
+// 512-column CTAs halve the x traffic per weight (each CTA re-reads x from L2) but halve the
+// CTA count: measured 5-7% faster at M = 32..64 where they still fill the GPU with at most two
+// K-splits (57344x8192, 28672x4096), 1-17% slower where they need eight (8192x28672) and
+// equal-or-slower at M = 16. So: wide for 32 <= tile <= 64 when the wide plan splits K <= 2.
 template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, int* out) {
   const int mt = tile_m(p.m);
-  const int gy = div_up(n_units(p.n), kSlabs), gz = div_up(p.m, mt);
-  const int bps = mt == 16   ? blocks_per_sm<BITS, 16, T>()
-                  : mt == 32 ? blocks_per_sm<BITS, 32, T>()
-                  : mt == 64 ? blocks_per_sm<BITS, 64, T>()
-                             : blocks_per_sm<BITS, 128, T>();
-  int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, bps * num_sms);
+  const int gz = div_up(p.m, mt);
+  int cn = 256;
+  const int force_wide = env_int("KBIT_WGMMA_WIDE", -1);
+  if (mt <= 64 && force_wide == 1) {
+    cn = 512;
+  } else if (mt >= 32 && mt <= 64 && force_wide != 0) {
+    const int gy_w = div_up(n_units(p.n), 512 / kUnitN);
+    if (choose_splits((long long)gy_w * gz, p.ku_count, bps_for<BITS, T>(mt, 512) * num_sms) <= 2) cn = 512;
+  }
+  const int gy = div_up(n_units(p.n), cn / kUnitN);
+  int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, bps_for<BITS, T>(mt, cn) * num_sms);
   s = s < 1 ? 1 : s > kMaxSplits ? kMaxSplits : s > p.ku_count ? p.ku_count : s;
   p.chunk = div_up(p.ku_count, s);
   s = div_up(p.ku_count, p.chunk);  // no empty CTA
-  out[0] = mt; out[1] = s; out[2] = s; out[3] = gy; out[4] = gz;
+  out[0] = mt; out[1] = s; out[2] = s; out[3] = gy; out[4] = gz; out[5] = cn;
 }
 
 template <int BITS, typename T>
 cudaError_t launch_t2(Params p, int splits, int num_sms, cudaStream_t stream, int* plan) {
-  int local[5];
+  int local[6];
   int* pl = plan != nullptr ? plan : local;
   plan_t<BITS, T>(p, splits, num_sms, pl);
   if (plan != nullptr && p.x == nullptr) return cudaSuccess;  // plan query only
+  if (pl[5] == 512) {
+    switch (pl[0]) {
+      case 16: return launch_t<BITS, 16, 512, T>(p, pl[1], stream);
+      case 32: return launch_t<BITS, 32, 512, T>(p, pl[1], stream);
+      default: return launch_t<BITS, 64, 512, T>(p, pl[1], stream);
+    }
+  }
   switch (pl[0]) {
-    case 16: return launch_t<BITS, 16, T>(p, pl[1], stream);
-    case 32: return launch_t<BITS, 32, T>(p, pl[1], stream);
-    case 64: return launch_t<BITS, 64, T>(p, pl[1], stream);
-    default: return launch_t<BITS, 128, T>(p, pl[1], stream);
+    case 16: return launch_t<BITS, 16, 256, T>(p, pl[1], stream);
+    case 32: return launch_t<BITS, 32, 256, T>(p, pl[1], stream);
+    case 64: return launch_t<BITS, 64, 256, T>(p, pl[1], stream);
+    default: return launch_t<BITS, 128, 256, T>(p, pl[1], stream);
   }
 }
 

@@ -1,5 +1,5 @@
 """Probe variants of the wgmma kernel (csrc/kbit_wgmma.cuh) without the torch extension: each
-variant is a -D flag set (KBIT_WG_DEV_*: NODECODE, NOMMA, STAGES=n), built with nvcc
+variant is a -D flag set (KBIT_WG_DEV_*: NODECODE, NOMMA, NOX, STAGES=n), built with nvcc
 into its own shared library (in parallel) and timed through ctypes on K=4 fp16, L2 flushed,
 median. Answers "where does the time go" in one device call.
 usage: python3 scripts/wgmma_dev.py VARIANT [VARIANT ...]   (VARIANT: comma list of flags, "base" = none)

@@ -41,7 +41,7 @@ def main():
         y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, b, 4, splits)
         ref = x.double() @ w.t() + (b.double() if bias else 0)
         err = ((y.double() - ref).norm() / ref.norm()).item()
-        plan = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
+        plan = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)[:2]
         ok = bool(torch.isfinite(y).all()) and err < (2e-3 if dtype == torch.float16 else 1e-2)
         bad += not ok
         print(f"{'ok  ' if ok else 'FAIL'} m={m} n={n} k={k} bits={bits} {dtype} tile_m={plan[0]} "

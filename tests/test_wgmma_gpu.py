@@ -35,8 +35,8 @@ if not _have_wgmma():
 
 
 def plan(m, n, k, bits, dtype=torch.float16, splits=0):
-    tile_m, s, gx, gy, gz = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
-    return dict(tile_m=tile_m, splits=s, grid=(gx, gy, gz))
+    tile_m, s, gx, gy, gz, cols = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
+    return dict(tile_m=tile_m, splits=s, grid=(gx, gy, gz), cols=cols)
 
 
 def check(m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0, splits=0):
@@ -77,9 +77,21 @@ def test_forced_splits(splits, m):
         check(m, 1000, 4128, bits, dtype, bias=True, splits=splits)
 
 
+@pytest.mark.parametrize("m", [16, 33, 64])
+def test_wide_ctas(m, monkeypatch):
+    # 512-column CTAs (two warpgroups sharing the x tile), forced by the tuning override:
+    # N = 1000 leaves the second warpgroup's slabs partly and wholly past N; splits on and off.
+    monkeypatch.setenv("KBIT_WGMMA_WIDE", "1")
+    assert plan(m, 1000, 4128, 4)["cols"] == 512
+    for bits, dtype, splits in ((4, torch.float16, 0), (2, torch.bfloat16, 3), (5, torch.float16, 1)):
+        check(m, 1000, 4128, bits, dtype, bias=True, splits=splits)
+
+
 def test_plans_use_split_k_and_not():
     assert plan(64, 4096, 4096, 4)["splits"] > 1          # 16 CTAs without splitting
-    assert plan(64, 57344, 8192, 4)["splits"] == 1        # 224 CTAs already
+    assert plan(64, 57344, 8192, 4)["splits"] == 1        # 112 wide CTAs already
+    assert plan(64, 57344, 8192, 4)["cols"] == 512 and plan(64, 8192, 28672, 4)["cols"] == 256
+    assert plan(16, 57344, 8192, 4)["cols"] == 256
     assert plan(17, 4096, 4096, 4)["tile_m"] == 32 and plan(16, 4096, 4096, 4)["tile_m"] == 16
     assert plan(200, 4096, 4096, 4)["tile_m"] == 128 and plan(200, 4096, 4096, 4)["grid"][2] == 2
 
