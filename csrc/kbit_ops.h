@@ -65,8 +65,9 @@ size_t mma_workspace_bytes(int m, int n, int k, int bits, int num_sms);
 
 // wgmma kernel (Hopper, sm_90a; kbit_wgmma.cuh) for gemv_max_m < M <= wgmma_max_m(bits): on the
 // H200 it beats the mma.sync kernel at M = 32..64 on 4-5 of the 6 benchmark shapes and on the
-// sum over Llama-3-8B's four linear shapes (186 vs 206 us at M = 64); from M = 96 the mma.sync
-// kernel wins that sum (benchmarks/results, bench_gemm.py --also-paths mma,wgmma).
+// sum over Llama-3-8B's four linear shapes (165 vs 205 us at M = 64); from M = 96 the mma.sync
+// kernel wins that sum, at M = 16 the GEMV ties it (benchmarks/results, bench_gemm.py
+// --also-paths mma,wgmma).
 // wgmma_supported(): this build has sm_90a code and the current device is compute 9.0.
 // `splits` = 0 picks the split-K factor (a thread-block cluster along K, no workspace);
 // 1..8 forces it. Returns cudaErrorNotSupported where wgmma_supported() is false.
