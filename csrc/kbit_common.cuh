@@ -23,6 +23,20 @@ __host__ __device__ __forceinline__ float decode_e4m4_exact(uint32_t code) {
 #endif
 }
 
+// Arguments of the kernels that stream the tiled layout along K per 64-column slab (GEMV and
+// wgmma): y[m, n] = x[m, k] @ dequant(W)^T (+ bias), each CTA taking `chunk` K-units.
+struct StreamParams {
+  const void* x;             // [m, k] fp16 / bf16
+  const uint32_t* packed;    // tiled layout
+  const uint8_t* absmax;     // tiled layout
+  const float* codebook;     // [2^bits] float32
+  const void* bias;          // [n] or nullptr
+  void* y;                   // [m, n]
+  int m, n, k;
+  int ku_count;              // k_units(k)
+  int chunk;                 // K-units per split (the K range of one CTA)
+};
+
 template <typename T> struct Vec2;
 template <> struct Vec2<__half> { using type = __half2; };
 template <> struct Vec2<__nv_bfloat16> { using type = __nv_bfloat162; };

@@ -39,6 +39,9 @@
 // bit-plane transpose to the FMA pipe; (2) K=2: a 64 KB four-value table read with 8-byte
 // loads halves its lookups; (3) M = 9..16: 210-240 registers leave one CTA per SM, get two;
 // (4) serve M up to 32 (the mma kernel is flat in M up to 32 and 1.1-2.4x slower).
+// Tried and not adopted (same-run A/B, H200, bench_gemm.py --bits 2,4 --ms 1,4,16): issuing the
+// first unit loads before building the codebook table: 0.5-1.5% faster at M = 1, 4, but 2-5%
+// slower at M = 16, K = 4 (more registers live across the table build).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -62,17 +65,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMaxSplits = 8;             // portable cluster size
 constexpr int kPairsPerLane = 4;          // m16 column-group pairs per unit (8 n8 groups / 2)
 
-struct Params {
-  const void* x;             // [m, k] fp16 / bf16
-  const uint32_t* packed;    // tiled layout
-  const uint8_t* absmax;     // tiled layout
-  const float* codebook;     // [2^bits] float32
-  const void* bias;          // [n] or nullptr
-  void* y;                   // [m, n]
-  int m, n, k;
-  int ku_count;              // k_units(k)
-  int chunk;                 // units per split (the K range of one CTA)
-};
+using Params = StreamParams;  // kbit_common.cuh
 
 // Per bit width: how many units a warp keeps in flight (the table: PairTable, kbit_decode.cuh).
 template <int BITS> struct Traits : PairTable<BITS> {

@@ -61,17 +61,7 @@ namespace wg {
 constexpr int kSlabs = 4;               // one 64-column layout slab per warp of a warpgroup
 constexpr int kMaxSplits = 8;           // portable cluster size
 
-struct Params {
-  const void* x;             // [m, k] fp16 / bf16
-  const uint32_t* packed;    // tiled layout
-  const uint8_t* absmax;     // tiled layout
-  const float* codebook;     // [2^bits] float32
-  const void* bias;          // [n] or nullptr
-  void* y;                   // [m, n]
-  int m, n, k;
-  int ku_count;              // k_units(k)
-  int chunk;                 // K-tiles per split
-};
+using Params = StreamParams;  // kbit_common.cuh
 
 // MT tokens x CN columns per CTA.
 template <int BITS, int MT, int CN> struct Cfg {

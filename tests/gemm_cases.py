@@ -57,3 +57,33 @@ def check(path, m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0, split
         assert err < TOL[dtype], f"relative error {err:.3e} {where}"
         outs.append((x, y))
     return outs, (packed, absmax, cb, b)
+
+
+def have(op_name):
+    """True on a CUDA machine whose vllm_kbit._C reports torch.ops.kbit.<op_name>() true."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from vllm_kbit import ops
+        return ops.HAS_CUDA_KERNELS and bool(getattr(torch.ops.kbit, op_name)())
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
+def check_graph_capture(path, m=64, n=4096, k=4096, bits=4):
+    """The path captured in a CUDA graph and replayed on fresh x equals float64 each time."""
+    packed, absmax, cb, w = weight(n, k, bits)
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    run(path, x, packed, absmax, cb, bits, n, k)  # warm up outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g):
+        y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, path, 0)
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        ref = x.double() @ w.t()
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < TOL[torch.float16], f"graph replay: relative error {err:.3e}"

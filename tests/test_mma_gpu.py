@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gemm_cases
-from gemm_cases import TOL, weight
+from gemm_cases import weight
 
 pytestmark = pytest.mark.gpu
 
@@ -19,17 +19,7 @@ MMA_PATH = 2
 ALL_M = [17, 31, 32, 33, 48, 64, 127, 128, 255, 256, 512, 1000, 1024, 4096]
 
 
-def _have_mma():
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from vllm_kbit import ops
-        return ops.HAS_CUDA_KERNELS and bool(torch.ops.kbit.has_mma())
-    except (ImportError, AttributeError, RuntimeError):
-        return False
-
-
-if not _have_mma():
+if not gemm_cases.have("has_mma"):
     pytest.skip("needs a CUDA GPU and vllm_kbit._C with the tensor-core kernel", allow_module_level=True)
 
 
@@ -117,19 +107,4 @@ def test_auto_path_matches_forced():
 
 
 def test_cuda_graph_capture():
-    m, n, k, bits = 64, 4096, 4096, 4   # split-K: workspace + on-stream counter memset
-    packed, absmax, cb, w = weight(n, k, bits)
-    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    run(x, packed, absmax, cb, bits, n, k)  # warm up outside the capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s), torch.cuda.graph(g):
-        y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, MMA_PATH)
-    torch.cuda.current_stream().wait_stream(s)
-    for _ in range(2):
-        x.copy_(torch.randn_like(x))
-        g.replay()
-        ref = x.double() @ w.t()
-        err = ((y.double() - ref).norm() / ref.norm()).item()
-        assert err < TOL[torch.float16]
+    gemm_cases.check_graph_capture(MMA_PATH, m=64, n=4096, k=4096, bits=4)  # split-K: workspace + on-stream counter memset

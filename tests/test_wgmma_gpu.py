@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gemm_cases
-from gemm_cases import TOL, weight
+from gemm_cases import weight
 
 pytestmark = pytest.mark.gpu
 
@@ -20,17 +20,7 @@ WGMMA_PATH = 4
 ALL_M = [17, 31, 32, 33, 48, 64, 127, 128, 255, 256, 512, 1000, 1024, 4096]
 
 
-def _have_wgmma():
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from vllm_kbit import ops
-        return ops.HAS_CUDA_KERNELS and bool(torch.ops.kbit.has_wgmma())
-    except (ImportError, AttributeError, RuntimeError):
-        return False
-
-
-if not _have_wgmma():
+if not gemm_cases.have("has_wgmma"):
     pytest.skip("needs an sm_90 GPU and vllm_kbit._C built for 9.0a", allow_module_level=True)
 
 
@@ -123,19 +113,4 @@ def test_auto_path_uses_wgmma():
 
 
 def test_cuda_graph_capture():
-    m, n, k, bits = 64, 4096, 4096, 4   # split-K cluster launch inside the graph
-    packed, absmax, cb, w = weight(n, k, bits)
-    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, n, k)  # warm up outside the capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s), torch.cuda.graph(g):
-        y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, WGMMA_PATH, 0)
-    torch.cuda.current_stream().wait_stream(s)
-    for _ in range(2):
-        x.copy_(torch.randn_like(x))
-        g.replay()
-        ref = x.double() @ w.t()
-        err = ((y.double() - ref).norm() / ref.norm()).item()
-        assert err < TOL[torch.float16]
+    gemm_cases.check_graph_capture(WGMMA_PATH, m=64, n=4096, k=4096, bits=4)  # split-K cluster launch inside the graph
