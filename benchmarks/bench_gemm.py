@@ -218,17 +218,17 @@ def main():
                 del run
                 torch.cuda.empty_cache()
     else:
+        # forced paths timed beside --path: name -> largest M (the GEMV serves M <= 16 only)
+        extra_paths = {p: (16 if p == "gemv" else None) for p in args.also_paths.split(",") if p}
+        if args.compare_paths and args.path == "auto":
+            extra_paths.update({p: 16 for p in ("gemv", "mma") if p == "gemv" or torch.ops.kbit.has_mma()})
         for n, k in shapes:
             methods = []
             for bits in bits_list:
                 methods.append((f"kbit{bits}", *kbit_method(n, k, bits, PATHS[args.path]), {"bits": bits}))
-                for extra_path in [p for p in args.also_paths.split(",") if p]:
-                    methods.append((f"kbit{bits}-{extra_path}", *kbit_method(n, k, bits, PATHS[extra_path]),
-                                    {"bits": bits, **({"max_m": 16} if extra_path == "gemv" else {})}))
-                if args.compare_paths and args.path == "auto":
-                    methods.append((f"kbit{bits}-gemv", *kbit_method(n, k, bits, 1), {"bits": bits, "max_m": 16}))
-                    if torch.ops.kbit.has_mma():
-                        methods.append((f"kbit{bits}-mma", *kbit_method(n, k, bits, 2), {"bits": bits, "max_m": 16}))
+                for extra, max_m in extra_paths.items():
+                    methods.append((f"kbit{bits}-{extra}", *kbit_method(n, k, bits, PATHS[extra]),
+                                    {"bits": bits, **({"max_m": max_m} if max_m else {})}))
             if not args.no_baselines:
                 methods.append(("cublas-fp16", *cublas_method(n, k), {}))
                 if have_vllm:

@@ -91,6 +91,22 @@ __device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
   return r;
 }
 
+// cp.async.cg 16 B global -> shared, bypassing L1 (the tensor-core kernels' x tiles are
+// re-read by other CTAs through L2, never by this one; weights are read once). src-size 0
+// zero-fills the 16 B: rows past M, k past K and columns past N become zeros without a read.
+// The source pointer must still be a valid address; callers pass a tensor base when invalid.
+__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gptr, bool valid) {
+  const int src_size = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gptr),
+               "r"(src_size));
+}
+// One commit group per pipeline stage; wait_group<N> leaves at most N stages in flight.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 // Hides a value's provenance from the optimizer (see lds_u32).
 __device__ __forceinline__ uint32_t opaque(uint32_t v) {
   asm volatile("mov.b32 %0, %0;" : "+r"(v));

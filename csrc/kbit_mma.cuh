@@ -53,6 +53,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kbit_common.cuh"
 #include "kbit_layout.cuh"
 #include "kbit_ops.h"
 
@@ -86,22 +87,6 @@ constexpr int kMaxSplits = 16;
 constexpr size_t kMaxPartialBytes = size_t(64) << 20;  // split-K workspace cap (fp32 partials)
 
 // ----------------------------------------------------------------------------- PTX helpers
-
-// cp.async.cg 16 B global -> shared, bypassing L1 (x tiles are re-read by other CTAs through
-// L2, never by this one). src_size 0 zero-fills the 16 B: that is how the M tail (rows >= M)
-// and the K tail (k >= K, when K % 64 == 32) become zeros without reading past x. The
-// source pointer must still be a valid address; callers pass the tensor base for invalid rows.
-__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gptr, bool valid) {
-  const int src_size = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gptr),
-               "r"(src_size));
-}
-// One commit group per pipeline stage; wait_group<N> leaves at most N stages in flight.
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 // Stage hand-off without a CTA-wide barrier (KBIT_MMA_MBAR): per stage a "full" mbarrier
 // that every thread's cp.async completion arrives on, and an "empty" one each warp arrives on

@@ -81,15 +81,13 @@ template <int BITS, int MT, int CN> struct Cfg {
   static_assert(kThreads % kXItems == 0, "x items divide the threads");
   static constexpr int kUnitBytes = BITS * 512 + kUnitAbsmaxBytes;  // one layout unit
   static constexpr int kXBytes = MT * 128;    // MT rows x 64 k x 2 B; a multiple of the 1 KB swizzle atom
-  // two A buffers: block b+1 decodes while block b multiplies (fits: <= 233 registers at MT 64)
-  static constexpr bool kDoubleA = true;
   static constexpr int kPerm = 3;  // permuted x tiles: t (read), t+1 (written), t-1 (wgmma may still read)
   static constexpr int kStageBytes = kSlabsCta * kUnitBytes;  // one K-tile of W (the slabs' units)
   static constexpr int kFixedBytes = kPerm * kXBytes + PairTable<BITS>::kLutBytes;
   // W stages: as deep as fits next to the fixed part in the shared memory of one CTA when two
   // share an SM (one-warpgroup tiles) or of a whole SM (two warpgroups), capped at 8. The W
   // stream comes from DRAM: with stages - 1 K-tiles in flight per CTA the loop is no longer
-  // waiting on memory latency every iteration (3 stages with x in them were: ncu, 1.3 issue/clk).
+  // waiting on memory latency every iteration (3 stages with x in them were: ~1 us per K-tile).
 #ifdef KBIT_WG_DEV_STAGES
   static constexpr int kStages = KBIT_WG_DEV_STAGES;
 #else
@@ -111,14 +109,6 @@ template <int BITS, int MT, int CN> struct Cfg {
 
 // ----------------------------------------------------------------------------- PTX helpers
 
-__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gptr, bool valid) {
-  // src-size 0 zero-fills: rows past M, k past K and slabs past N become zeros without a read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gptr), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 __device__ __forceinline__ uint4 lds_v4(uint32_t addr) {
   uint4 r;
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
@@ -337,8 +327,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(c
   }
   fence_proxy_async();
 
-  constexpr int kA = C::kDoubleA ? 2 : 1;
-  uint32_t A[kA][kSets][2][4];
+  // two A buffers: block b+1 decodes while block b multiplies (<= 255 registers, no spills)
+  uint32_t A[2][kSets][2][4];
   for (int t = 0; t < nt; ++t) {
     cp_async_wait<C::kStages - 2>();  // this thread's W copies of tile t
     __syncthreads();  // everyone's: W of t, permuted x of t (and, at t = 0, the codebook table)
@@ -373,7 +363,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(c
     const uint32_t xt = base + C::kPermOff + (t % C::kPerm) * C::kXBytes;
 #pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
-      uint32_t(&Ab)[kSets][2][4] = A[C::kDoubleA ? kb : 0];
+      uint32_t(&Ab)[kSets][2][4] = A[kb];
 #pragma unroll
       for (int hh = 0; hh < C::kHalves; ++hh)
         decode_word<BITS, T>(pw[kb][hh], codes[kb][hh], *reinterpret_cast<uint32_t(*)[2][2][4]>(&Ab[2 * hh]),
@@ -394,7 +384,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(c
       wgmma_commit();
 #pragma unroll
       for (int r = 0; r < kSets; ++r) fence_regs(acc[r]);
-      if constexpr (C::kDoubleA) wgmma_wait<1>(); else wgmma_wait<0>();
+      wgmma_wait<1>();  // the other buffer's group is done: it may be overwritten next
 #pragma unroll
       for (int r = 0; r < kSets; ++r)
 #pragma unroll
@@ -471,17 +461,28 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(c
 #endif
 }
 
+// CTAs one SM holds for an instantiation (registers and shared memory). The first call also
+// opts the kernel into its dynamic shared memory; both are cached per instantiation.
+template <int BITS, int MT, int CN, typename T> int blocks_per_sm() {
+  using C = Cfg<BITS, MT, CN>;
+  static int cached = 0;
+  if (cached == 0) {
+    int b = 0;
+    const auto kernel = wgmma_kernel<BITS, MT, CN, T>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kBytes) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, C::kThreads, C::kBytes) != cudaSuccess)
+      b = 1;
+    cached = b > 0 ? b : 1;
+  }
+  return cached;
+}
+
 // Launch one instantiation with `splits` (1..kMaxSplits) CTAs per cluster along K.
 template <int BITS, int MT, int CN, typename T>
 cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
   using C = Cfg<BITS, MT, CN>;
   const auto kernel = wgmma_kernel<BITS, MT, CN, T>;
-  static bool attr_set = false;  // per instantiation; the attribute is per function, not per device
-  if (!attr_set) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kBytes);
-    if (e != cudaSuccess) return e;
-    attr_set = true;
-  }
+  blocks_per_sm<BITS, MT, CN, T>();  // the shared-memory opt-in (once)
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(splits, div_up(n_units(p.n), C::kSlabsCta), div_up(p.m, MT));
   cfg.blockDim = dim3(C::kThreads, 1, 1);
@@ -495,21 +496,6 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, kernel, p);
-}
-
-// CTAs one SM holds for an instantiation (registers and shared memory), cached.
-template <int BITS, int MT, int CN, typename T> int blocks_per_sm() {
-  using C = Cfg<BITS, MT, CN>;
-  static int cached = 0;
-  if (cached == 0) {
-    int b = 0;
-    const auto kernel = wgmma_kernel<BITS, MT, CN, T>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kBytes) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, C::kThreads, C::kBytes) != cudaSuccess)
-      b = 1;
-    cached = b > 0 ? b : 1;
-  }
-  return cached;
 }
 
 // Split-K factor from the shape alone: the fewest waves of CTAs times the K-tiles each CTA

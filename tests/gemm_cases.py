@@ -14,23 +14,38 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 _cache = {}
 
 
+def random_weight(n, k, bits, seed, codes=(0x70, 0xA0)):
+    """(packed, absmax_packed, codebook, W float64 [n, k]): random codebook indices and E4M4
+    codes in [codes[0], codes[1]) in the checkpoint layout, tiled by kbit::repack.
+    The default codes are realistic absmax values 2^-4 .. 2^-1."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    idx = torch.randint(0, 1 << bits, (n, k), generator=g, device="cuda").to(torch.uint8)
+    e4m4 = torch.randint(codes[0], codes[1], (n, k // 32), generator=g, device="cuda").to(torch.uint8)
+    packed, absmax = torch.ops.kbit.repack(kf.pack_bitplanes(idx, bits), e4m4, bits)
+    cb = kf.normal_float_codebook(bits, "cuda")
+    w = cb.double()[idx.long()] * kf.decode_e4m4(e4m4).double().repeat_interleave(32, dim=1)
+    return packed, absmax, cb, w
+
+
 def weight(n, k, bits, tiny=False):
-    """(packed, absmax_packed, codebook, W float64 [n, k]) for random indices and codes."""
+    """random_weight for (n, k, bits), cached; `tiny`: subnormal E4M4 codes only, which the
+    bf16 paths turn into bf16 subnormal scales."""
     key = (n, k, bits, tiny)
     if key not in _cache:
         _cache.clear()
-        g = torch.Generator(device="cuda").manual_seed(1000 * bits + n + 7 * k + tiny)
-        idx = torch.randint(0, 1 << bits, (n, k), generator=g, device="cuda").to(torch.uint8)
-        # realistic absmax 2^-4 .. 2^-1 (codes 0x70..0x9F); `tiny`: subnormal codes only,
-        # which the bf16 paths turn into bf16 subnormal scales
-        lo, hi = (1, 16) if tiny else (0x70, 0xA0)
-        codes = torch.randint(lo, hi, (n, k // 32), generator=g, device="cuda").to(torch.uint8)
-        qweight = kf.pack_bitplanes(idx, bits)
-        packed, absmax = torch.ops.kbit.repack(qweight, codes, bits)
-        cb = kf.normal_float_codebook(bits, "cuda")
-        w = cb.double()[idx.long()] * kf.decode_e4m4(codes).double().repeat_interleave(32, dim=1)
-        _cache[key] = (packed, absmax, cb, w)
+        _cache[key] = random_weight(n, k, bits, 1000 * bits + n + 7 * k + tiny, (1, 16) if tiny else (0x70, 0xA0))
     return _cache[key]
+
+
+def sanitize_case(path, m, n, k, bits, dtype, bias, splits=0):
+    """One small forced-path run for the compute-sanitizer scripts: (ok, relative error)."""
+    packed, absmax, cb, w = random_weight(n, k, bits, m + n + k + bits)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype) if bias else None
+    y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, b, path, splits)
+    ref = x.double() @ w.t() + (b.double() if bias else 0)
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    return bool(torch.isfinite(y).all()) and err < TOL[dtype], err
 
 
 def run(path, x, packed, absmax, cb, bits, n, k, bias=None, splits=0):

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from vllm_kbit import format as kf
+from gemm_cases import sanitize_case  # tests/ is this script's directory, so on sys.path
 from vllm_kbit import ops  # noqa: F401  (registers the ops, loads vllm_kbit._C)
 
 CASES = [  # m, n, k, bits, dtype, bias, forced "cfg,splits" (None: the heuristic's plan)
@@ -41,19 +41,8 @@ def main():
             os.environ["KBIT_MMA_FORCE"] = force
         else:
             os.environ.pop("KBIT_MMA_FORCE", None)
-        g = torch.Generator(device="cuda").manual_seed(m + n + k + bits)
-        idx = torch.randint(0, 1 << bits, (n, k), generator=g, device="cuda").to(torch.uint8)
-        codes = torch.randint(0x70, 0xA0, (n, k // 32), generator=g, device="cuda").to(torch.uint8)
-        packed, absmax = torch.ops.kbit.repack(kf.pack_bitplanes(idx, bits), codes, bits)
-        cb = kf.normal_float_codebook(bits, "cuda")
-        w = cb.double()[idx.long()] * kf.decode_e4m4(codes).double().repeat_interleave(32, dim=1)
-        x = torch.randn(m, k, device="cuda").to(dtype)
-        b = torch.randn(n, device="cuda").to(dtype) if bias else None
-        y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, b, 2)
-        ref = x.double() @ w.t() + (b.double() if bias else 0)
-        err = ((y.double() - ref).norm() / ref.norm()).item()
+        ok, err = sanitize_case(2, m, n, k, bits, dtype, bias)
         plan = torch.ops.kbit.mma_plan(m, n, k, bits)
-        ok = bool(torch.isfinite(y).all()) and err < (2e-3 if dtype == torch.float16 else 1e-2)
         bad += not ok
         print(f"{'ok  ' if ok else 'FAIL'} m={m} n={n} k={k} bits={bits} {dtype} cfg={plan[0]} "
               f"splits={plan[3]} relerr={err:.2e}", flush=True)
