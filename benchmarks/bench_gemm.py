@@ -14,6 +14,7 @@ and command into --out, and prints a short table last.
   python benchmarks/bench_gemm.py --path gemv     # force a kbit path (auto|gemv|mma|dequant|wgmma)
   python benchmarks/bench_gemm.py --also-paths mma,wgmma   # + forced paths beside auto
   python benchmarks/bench_gemm.py --sweep-splits  # GEMV split-K factors 1..8 (tuning)
+  python benchmarks/bench_gemm.py --dequant-only  # the dequantize kernel alone (fp16 out), GB/s
 """
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ def kbit_method(n, k, bits, path, splits=0):
         if path == 0 and splits == 0:
             return torch.ops.kbit.gemm(x, packed, ap, cb, bits, n, k, None)
         return torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, path, splits)
+    run.tensors = (packed, ap, cb)
     return run, wbytes
 
 
@@ -169,6 +171,8 @@ def main():
     ap.add_argument("--also-paths", default="", help="comma list of forced paths timed beside --path (gemv: M <= 16)")
     ap.add_argument("--sweep-splits", action="store_true",
                     help="split-K factors 1..8: GEMV at M in {1, 16}, or with --path wgmma at --ms")
+    ap.add_argument("--dequant-only", action="store_true",
+                    help="time the dequantize kernel (tiled layout -> fp16 W) alone, recorded as M = 0")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
 
@@ -203,7 +207,17 @@ def main():
         log(f"{n:>6}x{k:<6} M={m:<5} {method:<14} {us:10.1f} us {r['gbs']:8.0f} GB/s {r['pct_copy']:6.1f}%")
         return r
 
-    if args.sweep_splits:
+    if args.dequant_only:
+        for n, k in shapes:
+            for bits in bits_list:
+                run, wb = kbit_method(n, k, bits, 0)
+                packed, ap_, cb = run.tensors
+                fn = lambda: torch.ops.kbit.dequantize_tiled(packed, ap_, cb, bits, n, k, DT)  # noqa: E731
+                # bytes moved: the tiled weights read + the fp16 W written (M = 0: no x, no y)
+                record(n, k, 0, f"kbit{bits}-dequantize", timer(fn), wb + n * k * 2, bits=bits)
+                del run, packed, ap_
+                torch.cuda.empty_cache()
+    elif args.sweep_splits:
         sweep_path = "wgmma" if args.path == "wgmma" else "gemv"
         for n, k in shapes:
             for bits in bits_list:

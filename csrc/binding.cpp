@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -193,10 +194,22 @@ constexpr bool kHasMma = true;
 constexpr bool kHasMma = false;
 #endif
 
-// Large-M fallback: dequantize row chunks of W (scratch <= 64 MiB) and multiply with cuBLAS.
+// Scratch budget of the dequantize + cuBLAS path; KBIT_DEQUANT_CHUNK_MIB overrides it (tuning:
+// a chunk that fits the 50 MB L2 is read back by cuBLAS from L2 and, being overwritten by the
+// next chunk, may never reach DRAM).
+int64_t dequant_chunk_bytes() {
+  static const int64_t bytes = [] {
+    const char* f = std::getenv("KBIT_DEQUANT_CHUNK_MIB");
+    const int64_t mib = f != nullptr ? std::atoll(f) : 0;
+    return (mib > 0 ? mib : int64_t(64)) << 20;
+  }();
+  return bytes;
+}
+
+// Large-M fallback: dequantize row chunks of W into a bounded scratch and multiply with cuBLAS.
 void gemm_dequant(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
                   int64_t bits, const GemmArgs& a, const at::Tensor* bias, at::Tensor& y) {
-  const int64_t budget = int64_t(64) << 20;
+  const int64_t budget = dequant_chunk_bytes();
   int64_t rows = budget / (a.k * int64_t(x.element_size()));
   rows = std::max<int64_t>(kUnit, rows / kUnit * kUnit);
   if (rows > a.n) rows = a.n;

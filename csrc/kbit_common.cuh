@@ -35,6 +35,7 @@ struct StreamParams {
   int m, n, k;
   int ku_count;              // k_units(k)
   int chunk;                 // K-units per split (the K range of one CTA)
+  bool pdl;                  // launched with programmatic dependent launch (use_pdl())
 };
 
 template <typename T> struct Vec2;
@@ -105,6 +106,19 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Programmatic dependent launch (sm_90). The GEMM kernels are launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization, so their CTAs may be scheduled (shared
+// memory and registers allocated, launch latency paid) while the previous kernel on the stream
+// drains. This wait, the first thing those kernels do, blocks until that kernel has completed
+// and its writes are visible: every input, the weights and codebook included, may have been
+// written by it (a repack, a test's fill), so nothing is read before. Below sm_90, and for a
+// launch without the attribute, it is a no-op.
+__device__ __forceinline__ void wait_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 // Hides a value's provenance from the optimizer (see lds_u32).

@@ -81,6 +81,13 @@ template <int BITS, typename T> struct Decoder {
       words[0] = (p[0] & 0x55555555u) | ((p[1] << 1) & 0xAAAAAAAAu);
       words[1] = ((p[0] >> 1) & 0x55555555u) | (p[1] & 0xAAAAAAAAu);
     } else {
+#ifdef KBIT_DEV_NO_TRANSPOSE  // timing probe only (wrong values): a layout that stores N_s
+      if constexpr (BITS == 4) {
+#pragma unroll
+        for (int s = 0; s < 4; ++s) words[s] = p[s];
+        return;
+      }
+#endif
       // bit-matrix transpose of planes 0..3: N_s nibble m = index of element 4m + s, so
       // byte q of N_s is the pair (s, s+4) of column q
       constexpr int kLow = BITS < 4 ? BITS : 4;

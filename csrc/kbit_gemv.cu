@@ -49,6 +49,7 @@ bool device_has_clusters() {
 }  // namespace
 }  // namespace gemv
 
+
 size_t gemv_workspace_bytes(int, int, int, int, int) { return 0; }
 
 cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,
@@ -60,6 +61,7 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   p.x = x; p.packed = packed; p.absmax = absmax; p.codebook = codebook; p.bias = bias; p.y = y;
   p.m = m; p.n = n; p.k = k;
   p.ku_count = k_units(k);
+  p.pdl = use_pdl();
   const bool clusters = gemv::device_has_clusters();
   int s = splits > 0 ? splits : gemv::choose_splits(n_units(n), p.ku_count, num_sms > 0 ? num_sms : 1);
   if (s > gemv::kMaxSplits) s = gemv::kMaxSplits;

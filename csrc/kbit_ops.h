@@ -14,6 +14,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #include <cuda_runtime.h>
 
@@ -56,6 +57,21 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
                         int n, int k, int bits, int num_sms, cudaStream_t stream, int splits = 0);
 // Bytes of `workspace` launch_gemv needs (0: its split-K reduces through cluster shared memory).
 size_t gemv_workspace_bytes(int m, int n, int k, int bits, int num_sms);
+
+// Whether the GEMV and wgmma kernels are launched with programmatic dependent launch
+// (kbit_common.cuh, wait_prior_grids): on compute capability >= 9.0 unless KBIT_PDL=0.
+inline bool use_pdl() {
+  static int cached[64];  // per device: 0 unknown, 1 no, 2 yes
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (cached[dev] == 0) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    const char* f = std::getenv("KBIT_PDL");
+    cached[dev] = major >= 9 && !(f != nullptr && f[0] == '0') ? 2 : 1;
+  }
+  return cached[dev] == 2;
+}
 
 // Tensor-core kernel for large M (implemented by kbit_mma.cuh + generated/mma_k*.cu).
 cudaError_t launch_mma(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,

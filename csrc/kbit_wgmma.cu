@@ -59,6 +59,7 @@ cudaError_t launch_wgmma(DType dtype, const void* x, const uint32_t* packed, con
   p.m = m; p.n = n; p.k = k;
   p.ku_count = k_units(k);
   p.chunk = p.ku_count;
+  p.pdl = use_pdl();
   return wg::dispatch(dtype, p, bits, splits, num_sms > 0 ? num_sms : 1, stream, nullptr);
 }
 

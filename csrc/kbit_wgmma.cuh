@@ -277,6 +277,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(c
   const int ku_begin = split * p.chunk;
   const int nt = max(0, min(p.ku_count, ku_begin + p.chunk) - ku_begin);
 
+  wait_prior_grids();  // programmatic dependent launch (kbit_common.cuh)
   const uint32_t table = init_codebook<BITS, T>(p.codebook, codebook_mult<T>(),
                                                 reinterpret_cast<uint32_t*>(smem + C::kLutOff), tid, kThreads);
   const uint32_t lut_addr = opaque(base + C::kLutOff + 4u * lane);
@@ -488,13 +489,15 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
   cfg.blockDim = dim3(C::kThreads, 1, 1);
   cfg.dynamicSmemBytes = C::kBytes;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = splits;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = p.pdl ? 2 : 1;
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 

@@ -1,0 +1,131 @@
+"""The linear layers of one decode step, as vLLM runs them: every linear layer of a
+Llama-3-8B-shaped model (32 x qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336),
+each with its own weights, replayed from one CUDA graph. This is the time the GEMMs add to a
+decode step at batch M (launch gaps, kernel ramp-up and tail included, no L2 flush needed: the
+weights are 3.7 GB at 4 bits, far beyond the 50 MB L2). Methods: kbit K (the op's own path
+choice), cuBLAS fp16, and Marlin / Machete W4 g128 when vLLM is importable.
+
+  python3 benchmarks/bench_decode.py [--ms 1,16] [--bits 2,4] [--per-shape] [--out DIR]
+
+Reports µs per step, GB/s of the weights read (and % of the copy bandwidth measured in the same
+run); --per-shape also replays 32 layers of one shape at a time (µs per kernel).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_gemm as bg  # noqa: E402  (methods, timer, commit stamp)
+
+LAYERS = 32
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def graph_time(calls, xs, reps=30):
+    """Median µs of one replay of a CUDA graph that makes `calls` in order."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn, x in calls[:8]:  # warm-up (autotuning, lazy init) outside the capture
+            fn(xs[x])
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn, x in calls:
+            fn(xs[x])
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); g.replay(); b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    del g
+    return statistics.median(times)
+
+
+def make(method, n, k, bits):
+    if method.startswith("kbit"):
+        return bg.kbit_method(n, k, bits, 0)
+    return {"cublas-fp16": lambda: bg.cublas_method(n, k), "marlin-g128": lambda: bg.marlin_method(n, k, 128),
+            "machete-g128": lambda: bg.machete_method(n, k, 128)}[method]()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--bits", default="4")
+    ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--per-shape", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args()
+    from vllm_kbit import ops
+    assert ops.HAS_CUDA_KERNELS, "vllm_kbit._C is not built"
+    ms = [int(m) for m in args.ms.split(",")]
+    methods = [f"kbit{b}" for b in args.bits.split(",")]
+    if not args.no_baselines:
+        methods.append("cublas-fp16")
+        try:
+            import vllm._custom_ops  # noqa: F401
+            methods += ["marlin-g128", "machete-g128"]
+        except Exception as e:  # noqa: BLE001
+            bg.log(f"# vLLM not importable ({type(e).__name__}); Marlin / Machete skipped")
+    copy_bw = bg.copy_bandwidth(bg.Timer())
+    gpu = torch.cuda.get_device_name()
+    bg.log(f"# {gpu}; device-to-device copy {copy_bw:.0f} GB/s")
+    results = []
+    for method in methods:
+        bits = int(method[4:]) if method.startswith("kbit") else 4
+        layers, wbytes = [], {}
+        try:
+            for _ in range(LAYERS):
+                layer = {}
+                for name, (n, k) in SHAPES.items():
+                    layer[name], wbytes[name] = make(method, n, k, bits)
+                layers.append(layer)
+        except Exception as e:  # noqa: BLE001
+            bg.log(f"# {method} unavailable: {type(e).__name__}: {e}")
+            continue
+        for m in ms:
+            xs = {k: torch.randn(m, k, dtype=bg.DT, device="cuda") for k in (4096, 14336)}
+            calls = [(layer[name], SHAPES[name][1]) for layer in layers for name in SHAPES]
+            us = graph_time(calls, xs)
+            wb = LAYERS * sum(wbytes.values())
+            r = {"method": method, "m": m, "what": "step", "us": us, "weight_bytes": wb,
+                 "gbs": wb / (us * 1e-6) / 1e9, "pct_copy": 100 * wb / (us * 1e-6) / 1e9 / copy_bw}
+            results.append(r)
+            bg.log(f"{method:<13} M={m:<3} step {us:8.1f} us  {r['gbs']:6.0f} GB/s  {r['pct_copy']:5.1f}% of copy")
+            if args.per_shape:
+                for name, (n, k) in SHAPES.items():
+                    us = graph_time([(layer[name], k) for layer in layers], xs) / LAYERS
+                    r = {"method": method, "m": m, "what": name, "us": us, "weight_bytes": wbytes[name],
+                         "gbs": wbytes[name] / (us * 1e-6) / 1e9}
+                    results.append(r)
+                    bg.log(f"{method:<13} M={m:<3} {name:<8} {us:8.2f} us/kernel  {r['gbs']:6.0f} GB/s")
+        del layers
+        torch.cuda.empty_cache()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    meta = {"gpu": gpu, "date": stamp, "commit": bg.git_commit(), "command": " ".join([sys.executable] + sys.argv),
+            "copy_bw_gbs": copy_bw, "torch": torch.__version__, "layers": LAYERS, "shapes": SHAPES}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"bench_decode_{stamp}.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    bg.log(f"\n# decode-step linear layers, Llama-3-8B shape, {gpu} ({meta['commit']}): µs per step")
+    bg.log("method".ljust(14) + "".join(f"M={m}".rjust(12) for m in ms))
+    for method in methods:
+        cells = [next((f"{r['us']:.0f}" for r in results if r["method"] == method and r["m"] == m and
+                       r["what"] == "step"), "-") for m in ms]
+        bg.log(method.ljust(14) + "".join(c.rjust(12) for c in cells))
+
+
+if __name__ == "__main__":
+    main()
