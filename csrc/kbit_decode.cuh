@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "kbit_common.cuh"
+#include "kbit_layout.cuh"
 
 namespace kbit {
 
@@ -67,6 +68,69 @@ __device__ __forceinline__ uint32_t comp(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;  // i is a compile-time constant
 }
 
+// Nibble word N_s (s = 0..3) of one lane's word position: nibble m holds the low (up to 4)
+// index bits of the element at bit 4m + s of the plane words (bit 4m + b of N_s = bit 4m + s
+// of plane b: a transpose of 4x4 bit blocks, 2 ops per plane). K=4's tiled layout stores
+// N_0..N_3 in place of the planes (kbit_layout.cuh), so for K=4 this is a register move.
+template <int BITS>
+__device__ __forceinline__ uint32_t nibble_word(const uint32_t (&p)[BITS], int s) {
+  if constexpr (layout_stores_nibbles(BITS)) {
+    return p[s];
+  } else {
+    constexpr int kLow = BITS < 4 ? BITS : 4;
+    uint32_t v = 0;
+#pragma unroll
+    for (int b = 0; b < kLow; ++b) {
+      const uint32_t sh = b >= s ? (p[b] << (b - s)) : (p[b] >> (s - b));
+      v |= sh & (0x11111111u << b);
+    }
+    return v;
+  }
+}
+
+// The layout words of one word position for all planes -> index words (the mma.sync kernel
+// and the dequantize kernel).
+// BITS <= 4: v[e'] (e' = 0..3) = N_e' holds, in nibble 2q+h, the index of the weight at bit
+//   e = 4h + e' of byte q (n8 group q of the word, k16 step parity h).
+// BITS == 5: v[e] (e = 0..7) holds in byte q the index of bit e of byte q.
+template <int BITS>
+struct IndexWords {
+  static constexpr int kN = BITS <= 4 ? 4 : 8;
+  uint32_t v[kN];
+  __device__ __forceinline__ void build(const uint32_t (&pl)[BITS]) {
+    if constexpr (BITS <= 4) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] = nibble_word<BITS>(pl, e);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        uint32_t acc = (pl[0] >> e) & 0x01010101u;
+#pragma unroll
+        for (int b = 1; b < BITS; ++b) {
+          // bit e of each byte field -> bit b of that field
+          const uint32_t moved = (e >= b) ? (pl[b] >> (e - b)) : (pl[b] << (b - e));
+          acc |= moved & (0x01010101u << b);
+        }
+        v[e] = acc;
+      }
+    }
+  }
+  // Source lane for the weight at bit e = 4h + ep of byte q; only bits [4:0] matter to shfl
+  // and the codebook registers repeat with period 2^BITS, so no mask is needed.
+  // (q, h, ep are compile-time constants once the caller's loops are unrolled.)
+  __device__ __forceinline__ uint32_t lane_of(int q, int h, int ep) const {
+    if constexpr (BITS <= 4) {
+      return v[ep] >> (4 * (2 * q + h));
+    } else {
+      return v[4 * h + ep] >> (8 * q);
+    }
+  }
+  // The codebook index of that weight.
+  __device__ __forceinline__ uint32_t index(int q, int h, int ep) const {
+    return lane_of(q, h, ep) & ((1u << BITS) - 1u);
+  }
+};
+
 // The 4 pairs of column q (byte q of the plane words) for one block, from one word of each
 // plane. The MMA takes pairs 0,1 in its first k16 step and pairs 2,3 in the second.
 template <int BITS, typename T> struct Decoder {
@@ -81,24 +145,11 @@ template <int BITS, typename T> struct Decoder {
       words[0] = (p[0] & 0x55555555u) | ((p[1] << 1) & 0xAAAAAAAAu);
       words[1] = ((p[0] >> 1) & 0x55555555u) | (p[1] & 0xAAAAAAAAu);
     } else {
-#ifdef KBIT_DEV_NO_TRANSPOSE  // timing probe only (wrong values): a layout that stores N_s
-      if constexpr (BITS == 4) {
-#pragma unroll
-        for (int s = 0; s < 4; ++s) words[s] = p[s];
-        return;
-      }
-#endif
-      // bit-matrix transpose of planes 0..3: N_s nibble m = index of element 4m + s, so
-      // byte q of N_s is the pair (s, s+4) of column q
-      constexpr int kLow = BITS < 4 ? BITS : 4;
+      // N_s (nibble_word): nibble m = index of element 4m + s, so byte q of N_s is the pair
+      // (s, s+4) of column q
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
-        uint32_t v = 0;
-#pragma unroll
-        for (int b = 0; b < kLow; ++b) {
-          const uint32_t sh = b >= s ? (p[b] << (b - s)) : (p[b] >> (s - b));
-          v |= sh & (0x11111111u << b);
-        }
+        const uint32_t v = nibble_word<BITS>(p, s);
         if constexpr (BITS == 5) {
           // widen to byte fields and add plane 4 as bit 4: E_s byte q = index of element s
           // of column q, O_s byte q = index of element s + 4

@@ -54,6 +54,7 @@
 #include <cstdint>
 
 #include "kbit_common.cuh"
+#include "kbit_decode.cuh"
 #include "kbit_layout.cuh"
 #include "kbit_ops.h"
 
@@ -364,40 +365,6 @@ struct Loader {
     if (tid < C::kSChunks) {
       const bool sv = valid >> 31;
       cp_async16(sbase + C::kABytes + C::kBBytes + tid * 16, p.absmax + (sv ? s_off + kt * 8u : 0u), sv);
-    }
-  }
-};
-
-// The bit-plane words of one layout word position for all planes -> index words.
-// BITS <= 4: v[e'] (e' = 0..3) holds, in nibble 2q+h, the index of the weight at bit
-//   e = 4h + e' of byte q (n8 group q of the word, k16 step parity h). 2*BITS-1 ops per word.
-// BITS == 5: v[e] (e = 0..7) holds in byte q the index of bit e of byte q.
-template <int BITS>
-struct IndexWords {
-  static constexpr int kN = BITS <= 4 ? 4 : 8;
-  uint32_t v[kN];
-  __device__ __forceinline__ void build(const uint32_t (&pl)[BITS]) {
-    constexpr uint32_t kMask = BITS <= 4 ? 0x11111111u : 0x01010101u;
-#pragma unroll
-    for (int e = 0; e < kN; ++e) {
-      uint32_t acc = (pl[0] >> e) & kMask;
-#pragma unroll
-      for (int b = 1; b < BITS; ++b) {
-        // bit e of each field -> bit b of that field
-        const uint32_t moved = (e >= b) ? (pl[b] >> (e - b)) : (pl[b] << (b - e));
-        acc |= moved & (kMask << b);
-      }
-      v[e] = acc;
-    }
-  }
-  // Source lane for the weight at bit e = 4h + ep of byte q; only bits [4:0] matter to shfl
-  // and the codebook registers repeat with period 2^BITS, so no mask is needed.
-  // (q, h, ep are compile-time constants once the caller's loops are unrolled.)
-  __device__ __forceinline__ uint32_t lane_of(int q, int h, int ep) const {
-    if constexpr (BITS <= 4) {
-      return v[ep] >> (4 * (2 * q + h));
-    } else {
-      return v[4 * h + ep] >> (8 * q);
     }
   }
 };

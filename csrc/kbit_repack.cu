@@ -19,7 +19,23 @@ __device__ __forceinline__ uint32_t gather_byte(uint32_t src, int t) {
   return (s & 0x3u) | ((s >> 6) & 0xCu) | ((s >> 12) & 0x30u) | ((s >> 18) & 0xC0u);
 }
 
-// One thread per packed word: word index = ((unit * bits + b) * 32 + lane) * 4 + w.
+// Word w of plane b of one lane (g, t) of a unit: the bytes of its 4 n8 groups.
+__device__ __forceinline__ uint32_t plane_word(const uint32_t* __restrict__ qweight, int n, int nb, int bits, int nu,
+                                               int jb, int g, int t, int w, int b) {
+  uint32_t out = 0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int c = nu * kUnitN + 8 * (4 * (w & 1) + q) + g;
+    if (c < n) {
+      const uint32_t src = __ldg(qweight + (long long)c * nb * bits + (long long)jb * bits + b);
+      out |= gather_byte(src, t) << (8 * q);
+    }
+  }
+  return out;
+}
+
+// One thread per packed word: word index = ((unit * bits + b) * 32 + lane) * 4 + w. For K=4
+// the word in slot b is the nibble word N_b of the four planes (kbit_layout.cuh).
 __global__ void repack_packed_kernel(const uint32_t* __restrict__ qweight, uint32_t* __restrict__ packed,
                                      int n, int k, int bits, long long total_words) {
   const int ku_count = k_units(k);
@@ -34,18 +50,19 @@ __global__ void repack_packed_kernel(const uint32_t* __restrict__ qweight, uint3
     const int ku = int(unit % ku_count);
     const int nu = int(unit / ku_count);
     const int g = lane >> 2, t = lane & 3;
-    const int kb = w >> 1;
-    const int jb = 2 * ku + kb;  // block index along K
+    const int jb = 2 * ku + (w >> 1);  // block index along K
     uint32_t out = 0;
     if (jb < nb) {
+      if (layout_stores_nibbles(bits)) {
+        // bit 4m + p of N_b = bit 4m + b of plane p
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int j = 4 * (w & 1) + q;
-        const int c = nu * kUnitN + 8 * j + g;
-        if (c < n) {
-          const uint32_t src = __ldg(qweight + (long long)c * nb * bits + (long long)jb * bits + b);
-          out |= gather_byte(src, t) << (8 * q);
+        for (int p = 0; p < 4; ++p) {
+          const uint32_t pw = plane_word(qweight, n, nb, bits, nu, jb, g, t, w, p);
+          const uint32_t sh = p >= b ? (pw << (p - b)) : (pw >> (b - p));
+          out |= sh & (0x11111111u << p);
         }
+      } else {
+        out = plane_word(qweight, n, nb, bits, nu, jb, g, t, w, b);
       }
     }
     packed[idx] = out;

@@ -81,3 +81,21 @@ def test_hand_checked_positions():
     assert amax[0, 0, 1, 0, 1] == 0x5A            # column 9: g=1, j=1 -> w=0, q=1; block 0
     assert amax[1, 1, 7, 3, 3] == 0xC3            # column 127, block 3 -> ku=1, kb=1 -> w=3
     assert int((amax != 0).sum()) == 2
+
+
+def test_k4_stores_nibble_words():
+    """K=4: slot s of a lane's word position holds N_s; nibble 2q + (e >> 2) of N_(e & 3) is the
+    whole index of element e of byte q (layout.py / kbit_layout.cuh)."""
+    n, k = 64, 64
+    idx = torch.zeros(n, k, dtype=torch.uint8)
+    # (9, 1): lane 4, w = 0, q = 1, e = 1 -> slot 1, nibble 2; (43, 62): lane 15, w = 3, q = 1,
+    # e = 6 -> slot 2, nibble 3
+    idx[9, 1], idx[43, 62] = 0xB, 0x6
+    packed, _ = kl.repack_ref(kf.pack_bitplanes(idx, 4), torch.ones(n, k // 32, dtype=torch.uint8), 4)
+    words = packed.view(4, 32, 4).to(torch.int64) & 0xFFFFFFFF
+    assert words[1, 4, 0] == 0xB << 8
+    assert words[2, 15, 3] == 0x6 << 12
+    assert int((words != 0).sum()) == 2
+    # the transpose is its own inverse, and random words survive it
+    w = torch.randint(0, 2 ** 32, (2, 4, 32, 4), dtype=torch.int64)
+    assert torch.equal(kl.nibble_transpose(kl.nibble_transpose(w)), w)
