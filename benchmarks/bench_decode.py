@@ -6,6 +6,7 @@ weights are 3.7 GB at 4 bits, far beyond the 50 MB L2). Methods: kbit K (the op'
 choice), cuBLAS fp16, and Marlin / Machete W4 g128 when vLLM is importable.
 
   python3 benchmarks/bench_decode.py [--ms 1,16] [--bits 2,4] [--per-shape] [--out DIR]
+  python3 benchmarks/bench_decode.py --kbit-paths gemv:1,gemv:2,wgmma:0 --no-baselines   # forced path:splits
 
 Reports µs per step, GB/s of the weights read (and % of the copy bandwidth measured in the same
 run); --per-shape also replays 32 layers of one shape at a time (µs per kernel).
@@ -54,8 +55,9 @@ def graph_time(calls, xs, reps=30):
 
 
 def make(method, n, k, bits):
-    if method.startswith("kbit"):
-        return bg.kbit_method(n, k, bits, 0)
+    if method.startswith("kbit"):  # kbitB or kbitB-PATH:SPLITS (a forced path, tuning)
+        path, splits = (method.split("-", 1)[1].split(":") + ["0"])[:2] if "-" in method else ("auto", "0")
+        return bg.kbit_method(n, k, bits, bg.PATHS[path], int(splits))
     return {"cublas-fp16": lambda: bg.cublas_method(n, k), "marlin-g128": lambda: bg.marlin_method(n, k, 128),
             "machete-g128": lambda: bg.machete_method(n, k, 128)}[method]()
 
@@ -66,12 +68,14 @@ def main():
     ap.add_argument("--bits", default="4")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--per-shape", action="store_true")
+    ap.add_argument("--kbit-paths", default="", help="also forced kbit paths, PATH:SPLITS, e.g. gemv:2,wgmma:0")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     from vllm_kbit import ops
     assert ops.HAS_CUDA_KERNELS, "vllm_kbit._C is not built"
     ms = [int(m) for m in args.ms.split(",")]
     methods = [f"kbit{b}" for b in args.bits.split(",")]
+    methods += [f"kbit{b}-{p}" for b in args.bits.split(",") for p in args.kbit_paths.split(",") if p]
     if not args.no_baselines:
         methods.append("cublas-fp16")
         try:
@@ -84,7 +88,7 @@ def main():
     bg.log(f"# {gpu}; device-to-device copy {copy_bw:.0f} GB/s")
     results = []
     for method in methods:
-        bits = int(method[4:]) if method.startswith("kbit") else 4
+        bits = int(method[4:].split("-")[0]) if method.startswith("kbit") else 4
         layers, wbytes = [], {}
         try:
             for _ in range(LAYERS):
@@ -96,6 +100,8 @@ def main():
             bg.log(f"# {method} unavailable: {type(e).__name__}: {e}")
             continue
         for m in ms:
+            if "-gemv" in method and m > 16:
+                continue
             xs = {k: torch.randn(m, k, dtype=bg.DT, device="cuda") for k in (4096, 14336)}
             calls = [(layer[name], SHAPES[name][1]) for layer in layers for name in SHAPES]
             us = graph_time(calls, xs)

@@ -3,9 +3,10 @@
 // are defined in Python (vllm_kbit/ops.py); this file registers their CUDA kernels and adds a
 // few C++-only ops for tests and benchmarks (TORCH_LIBRARY_FRAGMENT below).
 //
-// gemm picks its path from M inside the op (GEMV for M <= gemv_max_m(bits), then on Hopper the
-// wgmma kernel up to wgmma_max_m(bits), else the mma.sync kernel below dequant_min_m(bits),
-// dequantize + cuBLAS from there; see kbit_ops.h), with no
+// gemm picks its path from M (and N for 8 < M <= 16) inside the op (GEMV for M <= gemv_max_m(bits)
+// except wide layers at 8 < M <= 16, then on Hopper the wgmma kernel up to wgmma_max_m(bits), else
+// the mma.sync kernel below dequant_min_m(bits), dequantize + cuBLAS from there; see kbit_ops.h
+// and auto_path below), with no
 // host sync and a grid that depends on shapes only, so it can be captured in a CUDA graph
 // and is opaque to torch.compile.
 #include <Python.h>
@@ -230,6 +231,14 @@ void gemm_dequant(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   }
 }
 
+// The path kbit::gemm takes (kbit_ops.h: from M, and for 8 < M <= 16 from N too).
+int64_t auto_path(int64_t m, int64_t n, int64_t bits, int num_sms) {
+  const bool wgmma = m <= wgmma_max_m(int(bits)) && wgmma_supported();
+  if (m <= gemv_max_m(int(bits)) && !(wgmma && wide_small_m_to_wgmma(int(m), int(n), num_sms))) return kGemv;
+  if (wgmma) return kWgmma;
+  return kHasMma && m < dequant_min_m(int(bits)) ? kMma : kDequant;
+}
+
 at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
                      const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
                      const c10::optional<at::Tensor>& bias_opt, int64_t path, int64_t splits) {
@@ -239,12 +248,8 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
   if (a.m == 0) return y;
   const at::Tensor* bias = bias_opt.has_value() && bias_opt->defined() ? &*bias_opt : nullptr;
   const void* bias_ptr = bias != nullptr ? bias->data_ptr() : nullptr;
-  const bool automatic = path == kAuto;
-  if (automatic)
-    path = a.m <= gemv_max_m(int(bits))                            ? kGemv
-           : (a.m <= wgmma_max_m(int(bits)) && wgmma_supported())   ? kWgmma
-           : (kHasMma && a.m < dequant_min_m(int(bits)))            ? kMma
-                                                                    : kDequant;
+  const int num_sms = device_props(x).multiProcessorCount;
+  if (path == kAuto) path = auto_path(a.m, a.n, bits, num_sms);
   TORCH_CHECK(path >= kGemv && path <= kWgmma, msg("kbit::gemm_path: path must be 0..4, got ", path));
   TORCH_CHECK(path != kWgmma || wgmma_supported(), msg("kbit::gemm_path: the wgmma path needs a build with ",
               "TORCH_CUDA_ARCH_LIST containing 9.0a and a compute capability 9.0 GPU"));
@@ -252,7 +257,6 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
               ", got M = ", a.m));
   TORCH_CHECK(path != kMma || kHasMma, msg("kbit::gemm_path: this build has no tensor-core kernel"));
   TORCH_CHECK(splits >= 0 && splits <= 8, msg("kbit::gemm_path: splits must be 0..8"));
-  const int num_sms = device_props(x).multiProcessorCount;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const auto* pk = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
   if (path == kGemv) {
@@ -328,6 +332,12 @@ int64_t dequant_min_m_op(int64_t bits) {
 
 bool has_mma_op() { return kHasMma; }
 
+int64_t auto_path_op(int64_t m, int64_t n, int64_t bits) {
+  check_bits(bits);
+  TORCH_CHECK(m > 0 && n > 0, msg("kbit::auto_path: M and N must be positive"));
+  return auto_path(m, n, bits, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+}
+
 bool has_wgmma_op() { return wgmma_supported(); }
 
 int64_t wgmma_max_m_op(int64_t bits) {
@@ -379,6 +389,7 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("has_mma() -> bool", &kbit::has_mma_op);
   m.def("has_wgmma() -> bool", &kbit::has_wgmma_op);
   m.def("wgmma_max_m(int bits) -> int", &kbit::wgmma_max_m_op);
+  m.def("auto_path(int m, int n, int bits) -> int", &kbit::auto_path_op);
   m.def("wgmma_plan(int m, int n, int k, int bits, ScalarType dtype, int splits=0) -> int[]", &kbit::wgmma_plan_op);
   m.def("mma_plan(int m, int n, int k, int bits) -> int[]", &kbit::mma_plan_op);  // MMA plan hook
 }

@@ -73,23 +73,26 @@ __device__ __forceinline__ uint32_t comp(const uint4& v, int i) {
 // of plane b: a transpose of 4x4 bit blocks, 2 ops per plane). K=4's tiled layout stores
 // N_0..N_3 in place of the planes (kbit_layout.cuh), so for K=4 this is a register move.
 template <int BITS>
+__device__ __forceinline__ uint32_t transpose_nibbles(const uint32_t (&p)[BITS], int s) {
+  constexpr int kLow = BITS < 4 ? BITS : 4;
+  uint32_t v = 0;
+#pragma unroll
+  for (int b = 0; b < kLow; ++b) {
+    const uint32_t sh = b >= s ? (p[b] << (b - s)) : (p[b] >> (s - b));
+    v |= sh & (0x11111111u << b);
+  }
+  return v;
+}
+template <int BITS>
 __device__ __forceinline__ uint32_t nibble_word(const uint32_t (&p)[BITS], int s) {
   if constexpr (layout_stores_nibbles(BITS)) {
     return p[s];
   } else {
-    constexpr int kLow = BITS < 4 ? BITS : 4;
-    uint32_t v = 0;
-#pragma unroll
-    for (int b = 0; b < kLow; ++b) {
-      const uint32_t sh = b >= s ? (p[b] << (b - s)) : (p[b] >> (s - b));
-      v |= sh & (0x11111111u << b);
-    }
-    return v;
+    return transpose_nibbles<BITS>(p, s);
   }
 }
 
-// The layout words of one word position for all planes -> index words (the mma.sync kernel
-// and the dequantize kernel).
+// The layout words of one word position for all planes -> index words (the mma.sync kernel).
 // BITS <= 4: v[e'] (e' = 0..3) = N_e' holds, in nibble 2q+h, the index of the weight at bit
 //   e = 4h + e' of byte q (n8 group q of the word, k16 step parity h).
 // BITS == 5: v[e] (e = 0..7) holds in byte q the index of bit e of byte q.

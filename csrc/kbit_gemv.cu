@@ -22,8 +22,17 @@ namespace {
 //     ~8-10% faster at S = 2 (256 CTAs) than at S = 1;
 //   * else one CTA per SM: 4096x4096 is fastest at S = 2 (128 CTAs), slower at S = 3..8;
 //   * S = 1 once NU alone covers that (57344x8192, 28672x4096).
-int choose_splits(int nu, int ku, int num_sms) {
+// At M > 8 (two n8 tiles of x, ~230 registers) only one CTA fits an SM, so a second wave costs
+// a whole CTA time: the largest S whose NU * S CTAs still fit one wave (in a CUDA graph of an
+// 8B decode step at M = 16, 6144x4096: 13.8 us at S = 1 against 17.6 at S = 2; 4096x4096 and
+// 4096x14336 best at S = 2; bench_decode.py --kbit-paths gemv:1,gemv:2,...).
+int choose_splits(int m, int nu, int ku, int num_sms) {
   const int s_max = ku < kMaxSplits ? ku : kMaxSplits;
+  if (m > 8) {
+    int s = 1;
+    while (s < s_max && (long long)nu * (s + 1) <= num_sms) ++s;
+    return s;
+  }
   const auto smallest = [&](long long ctas_wanted) {
     int s = 1;
     while (s < s_max && (long long)nu * s * 10 < 9 * ctas_wanted) ++s;
@@ -63,7 +72,7 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   p.ku_count = k_units(k);
   p.pdl = use_pdl();
   const bool clusters = gemv::device_has_clusters();
-  int s = splits > 0 ? splits : gemv::choose_splits(n_units(n), p.ku_count, num_sms > 0 ? num_sms : 1);
+  int s = splits > 0 ? splits : gemv::choose_splits(m, n_units(n), p.ku_count, num_sms > 0 ? num_sms : 1);
   if (s > gemv::kMaxSplits) s = gemv::kMaxSplits;
   if (s > p.ku_count) s = p.ku_count;
   if (!clusters) s = 1;

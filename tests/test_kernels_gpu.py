@@ -176,25 +176,36 @@ def test_forced_paths(bits, dtype):
             _check_gemm(n, k, bits, dtype, m, path=PATH_MMA, bias=True)
 
 
-@pytest.mark.parametrize("bits", [2, 5])
+@pytest.mark.parametrize("bits", [2, 4, 5])
 def test_auto_dispatch_thresholds(bits):
-    """kbit::gemm's own choice around each threshold gives the bits of the path it names."""
-    n, k = 1000, 2048
-    _, _, packed, ap, _, cb = _case(n, k, bits)
+    """kbit::gemm's own choice around each threshold gives the bits of the path it names, and
+    the named paths follow kbit_ops.h: GEMV up to 16 rows, except layers with at least one
+    64-column slab per SM at 8 < M <= 16, which go to the wgmma kernel where it is built."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    k = 2048
+    narrow, wide = 1000, 64 * sms + 8
     g, d = torch.ops.kbit.gemv_max_m(bits), torch.ops.kbit.dequant_min_m(bits)
-    cases = [(g, PATH_GEMV), (d, PATH_DEQUANT)]
+    wg = torch.ops.kbit.has_wgmma()
+    expect = [(1, narrow, PATH_GEMV), (8, wide, PATH_GEMV), (9, narrow, PATH_GEMV), (g, narrow, PATH_GEMV),
+              (9, wide, PATH_WGMMA if wg else PATH_GEMV), (g, wide, PATH_WGMMA if wg else PATH_GEMV),
+              (d, narrow, PATH_DEQUANT)]
     mid = g + 1  # first M past the GEMV: wgmma on Hopper builds with 9.0a, else the mma.sync kernel
-    if torch.ops.kbit.has_wgmma():
+    if wg:
         w = torch.ops.kbit.wgmma_max_m(bits)
-        cases += [(g + 1, PATH_WGMMA), (w, PATH_WGMMA)]
+        expect += [(g + 1, narrow, PATH_WGMMA), (w, narrow, PATH_WGMMA)]
         mid = w + 1
     if torch.ops.kbit.has_mma():
-        cases += [(mid, PATH_MMA), (d - 1, PATH_MMA)]
-    for m, path in cases:
+        expect += [(mid, narrow, PATH_MMA), (d - 1, narrow, PATH_MMA)]
+    cases = {}
+    for m, n, path in expect:
+        assert torch.ops.kbit.auto_path(m, n, bits) == path, (m, n)
+        if n not in cases:
+            cases[n] = _case(n, k, bits)
+        _, _, packed, ap, _, cb = cases[n]
         x = torch.randn(m, k, device=DEV, dtype=torch.float16)
         auto = torch.ops.kbit.gemm(x, packed, ap, cb, bits, n, k)
         forced = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, path, 0)
-        assert torch.equal(auto, forced), f"M={m}: auto dispatch is not path {path}"
+        assert torch.equal(auto, forced), f"M={m} N={n}: auto dispatch is not path {path}"
 
 
 def test_gemm_new_input_new_result_and_deterministic():
