@@ -2,33 +2,35 @@
 // instantiations (generated/gemv_k<B>.cu). See kbit_gemv.cuh for the kernel design.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+
 #include "kbit_gemv.cuh"
 #include "kbit_ops.h"
 
 namespace kbit {
 namespace gemv {
 
-extern template cudaError_t launch_bits<2>(DType, const Params&, int, cudaStream_t);
-extern template cudaError_t launch_bits<3>(DType, const Params&, int, cudaStream_t);
-extern template cudaError_t launch_bits<4>(DType, const Params&, int, cudaStream_t);
-extern template cudaError_t launch_bits<5>(DType, const Params&, int, cudaStream_t);
+extern template cudaError_t launch_bits<2>(DType, const Params&, int, bool, cudaStream_t);
+extern template cudaError_t launch_bits<3>(DType, const Params&, int, bool, cudaStream_t);
+extern template cudaError_t launch_bits<4>(DType, const Params&, int, bool, cudaStream_t);
+extern template cudaError_t launch_bits<5>(DType, const Params&, int, bool, cudaStream_t);
 
 namespace {
 
-// Split-K factor S (cluster size) from the shape alone. Measured on the H200
-// (benchmarks/bench_gemm.py --sweep-splits): a CTA has a fixed cost of a few microseconds
-// (pipeline fill, table, cluster reduction), so splits pay only to occupy SMs:
-//   * two CTAs per SM (16 warps) when every warp still streams >= 8 units: 8192x28672 is
-//     ~8-10% faster at S = 2 (256 CTAs) than at S = 1;
-//   * else one CTA per SM: 4096x4096 is fastest at S = 2 (128 CTAs), slower at S = 3..8;
-//   * S = 1 once NU alone covers that (57344x8192, 28672x4096).
-// At M > 8 (two n8 tiles of x, ~230 registers) only one CTA fits an SM, so a second wave costs
-// a whole CTA time: the largest S whose NU * S CTAs still fit one wave (in a CUDA graph of an
-// 8B decode step at M = 16, 6144x4096: 13.8 us at S = 1 against 17.6 at S = 2; 4096x4096 and
-// 4096x14336 best at S = 2; bench_decode.py --kbit-paths gemv:1,gemv:2,...).
+// Split-K factor S (cluster size) from the shape alone. Measured on the H200 (in a CUDA graph
+// of an 8B decode step, benchmarks/bench_decode.py --kbit-paths gemv:1,...; before that with
+// bench_gemm.py --sweep-splits): a CTA has a fixed cost of a few microseconds (pipeline fill,
+// table, cluster reduction), and a second wave of CTAs costs a whole CTA time, so:
+//   * NU <= SMs (every slab gets an SM): one wave of one CTA per SM, the largest S with
+//     NU * S <= SMs; at M <= 8 those CTAs have 16 warps (kWideWarps). 6144x4096 (NU = 96):
+//     8.3 us at S = 1 against 9.1 at S = 2 with 8-warp CTAs; 4096x14336 (NU = 64): 13.1 us at
+//     S = 2 against 15.0 with 8-warp CTAs, 18.6 at S = 1.
+//   * M > 8 (two n8 tiles of x, ~220 registers: one CTA per SM at any NU): the same rule.
+//   * else, at M <= 8: two 8-warp CTAs per SM when every warp still streams >= 8 units, one
+//     per SM otherwise; S = 1 once NU alone covers that (57344x8192, 28672x4096).
 int choose_splits(int m, int nu, int ku, int num_sms) {
   const int s_max = ku < kMaxSplits ? ku : kMaxSplits;
-  if (m > 8) {
+  if (m > 8 || nu <= num_sms) {
     int s = 1;
     while (s < s_max && (long long)nu * (s + 1) <= num_sms) ++s;
     return s;
@@ -77,11 +79,18 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   if (s > p.ku_count) s = p.ku_count;
   if (!clusters) s = 1;
   p.chunk = div_up(p.ku_count, s);
+  // at most one CTA per SM: give each twice the warps (kbit_gemv.cuh, kWideWarps);
+  // KBIT_GEMV_WIDE=0 / 1 overrides (tuning)
+  static const int force_wide = [] {
+    const char* f = std::getenv("KBIT_GEMV_WIDE");
+    return f != nullptr ? std::atoi(f) : -1;
+  }();
+  const bool wide = m <= 8 && (force_wide >= 0 ? force_wide == 1 : (long long)n_units(n) * s <= num_sms);
   switch (bits) {
-    case 2: return gemv::launch_bits<2>(dtype, p, s, stream);
-    case 3: return gemv::launch_bits<3>(dtype, p, s, stream);
-    case 4: return gemv::launch_bits<4>(dtype, p, s, stream);
-    case 5: return gemv::launch_bits<5>(dtype, p, s, stream);
+    case 2: return gemv::launch_bits<2>(dtype, p, s, wide, stream);
+    case 3: return gemv::launch_bits<3>(dtype, p, s, wide, stream);
+    case 4: return gemv::launch_bits<4>(dtype, p, s, wide, stream);
+    case 5: return gemv::launch_bits<5>(dtype, p, s, wide, stream);
   }
   return cudaErrorInvalidValue;
 }

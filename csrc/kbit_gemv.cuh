@@ -60,8 +60,11 @@
 namespace kbit {
 namespace gemv {
 
-constexpr int kWarps = 8;                 // warps per CTA
-constexpr int kThreads = kWarps * 32;
+constexpr int kWarps = 8;                 // warps per CTA (two CTAs per SM at M <= 8)
+// CTAs of kWideWarps warps serve M <= 8 where the grid has at most one CTA per SM anyway
+// (64-column slabs x splits <= SMs, e.g. 4096x14336 and 4096x4096 at S = 2): twice the warps
+// per SM to hide the DRAM latency.
+constexpr int kWideWarps = 16;
 constexpr int kMaxSplits = 8;             // portable cluster size
 constexpr int kPairsPerLane = 4;          // m16 column-group pairs per unit (8 n8 groups / 2)
 
@@ -194,19 +197,20 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
 
 // Shared memory of one CTA: the pair table (K=3,4), reused after the main loop for the
 // cross-warp reduction scratch, then the partial sums the cluster reads.
-template <int BITS, int MT> struct Smem {
+template <int BITS, int MT, int W> struct Smem {
   static constexpr int kAcc = kPairsPerLane * MT * 4;                  // floats per lane
   static constexpr int kLutBytes = Traits<BITS>::kLutBytes;
-  static constexpr int kRedBytes = kWarps * kAcc * 32 * 4;
+  static constexpr int kRedBytes = W * kAcc * 32 * 4;
   static constexpr int kPart = kLutBytes > kRedBytes ? kLutBytes : kRedBytes;
   static constexpr int kBytes = kPart + kAcc * 32 * 4;
   static_assert(kBytes <= 48 * 1024, "fits without the dynamic shared memory opt-in");
 };
 
-template <int BITS, int MT, typename T>
-__global__ void __launch_bounds__(kThreads, MT == 1 ? 2 : 1) gemv_kernel(const Params p) {
+template <int BITS, int MT, typename T, int W>
+__global__ void __launch_bounds__(W * 32, MT == 1 && W == kWarps ? 2 : 1) gemv_kernel(const Params p) {
+  constexpr int kWarps = W, kThreads = W * 32;
   extern __shared__ __align__(16) uint32_t smem[];
-  using S = Smem<BITS, MT>;
+  using S = Smem<BITS, MT, W>;
   constexpr int kAcc = S::kAcc;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nu = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
@@ -311,12 +315,12 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 2 : 1) gemv_kernel(const P
 }
 
 // Launch one instantiation; `splits` >= 1 already chosen (and 1 below sm_90).
-template <int BITS, int MT, typename T>
+template <int BITS, int MT, typename T, int W>
 cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(n_units(p.n), splits, 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = Smem<BITS, MT>::kBytes;
+  cfg.blockDim = dim3(W * 32, 1, 1);
+  cfg.dynamicSmemBytes = Smem<BITS, MT, W>::kBytes;
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
   cfg.attrs = attr;
@@ -333,18 +337,22 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
     attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
     ++cfg.numAttrs;
   }
-  return cudaLaunchKernelEx(&cfg, gemv_kernel<BITS, MT, T>, p);
+  return cudaLaunchKernelEx(&cfg, gemv_kernel<BITS, MT, T, W>, p);
 }
 
-// Entry point of one bit width (instantiated in generated/gemv_k<BITS>.cu).
+// Entry point of one bit width (instantiated in generated/gemv_k<BITS>.cu); `wide`: CTAs of
+// kWideWarps warps (M <= 8 only).
 template <int BITS>
-cudaError_t launch_bits(DType dtype, const Params& p, int splits, cudaStream_t stream) {
+cudaError_t launch_bits(DType dtype, const Params& p, int splits, bool wide, cudaStream_t stream) {
   const bool two_tiles = p.m > 8;
   if (dtype == DType::kHalf)
-    return two_tiles ? launch_t<BITS, 2, __half>(p, splits, stream) : launch_t<BITS, 1, __half>(p, splits, stream);
+    return two_tiles ? launch_t<BITS, 2, __half, kWarps>(p, splits, stream)
+           : wide    ? launch_t<BITS, 1, __half, kWideWarps>(p, splits, stream)
+                     : launch_t<BITS, 1, __half, kWarps>(p, splits, stream);
   if (dtype == DType::kBFloat16)
-    return two_tiles ? launch_t<BITS, 2, __nv_bfloat16>(p, splits, stream)
-                     : launch_t<BITS, 1, __nv_bfloat16>(p, splits, stream);
+    return two_tiles ? launch_t<BITS, 2, __nv_bfloat16, kWarps>(p, splits, stream)
+           : wide    ? launch_t<BITS, 1, __nv_bfloat16, kWideWarps>(p, splits, stream)
+                     : launch_t<BITS, 1, __nv_bfloat16, kWarps>(p, splits, stream);
   return cudaErrorInvalidValue;
 }
 
