@@ -138,9 +138,11 @@ def machete_method(n, k, group=128):
 # ------------------------------------------------------------------------------ main
 
 def git_commit():
-    """HEAD (+ "-dirty"), else $KBIT_GIT_COMMIT, else a hash of the kernel sources (the device
-    machine gets a copy of the working tree without .git)."""
+    """$KBIT_GIT_COMMIT if set (the device machine's copy of the tree may carry a stale .git),
+    else HEAD (+ "-dirty"), else a hash of the kernel sources."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.environ.get("KBIT_GIT_COMMIT"):
+        return os.environ["KBIT_GIT_COMMIT"]
     try:
         head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=root,
                                        stderr=subprocess.DEVNULL).strip()
@@ -148,8 +150,6 @@ def git_commit():
         return head + ("-dirty" if dirty else "")
     except Exception:  # noqa: BLE001
         pass
-    if os.environ.get("KBIT_GIT_COMMIT"):
-        return os.environ["KBIT_GIT_COMMIT"]
     import glob
     import hashlib
     h = hashlib.sha1()

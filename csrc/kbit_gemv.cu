@@ -45,18 +45,6 @@ int choose_splits(int m, int nu, int ku, int num_sms) {
   return smallest(num_sms);
 }
 
-bool device_has_clusters() {
-  static int cached[64];  // per device: 0 unknown, 1 no, 2 yes
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (cached[dev] == 0) {
-    int major = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cached[dev] = major >= 9 ? 2 : 1;
-  }
-  return cached[dev] == 2;
-}
-
 }  // namespace
 }  // namespace gemv
 
@@ -73,7 +61,7 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   p.m = m; p.n = n; p.k = k;
   p.ku_count = k_units(k);
   p.pdl = use_pdl();
-  const bool clusters = gemv::device_has_clusters();
+  const bool clusters = device_is_sm90_or_newer();
   int s = splits > 0 ? splits : gemv::choose_splits(m, n_units(n), p.ku_count, num_sms > 0 ? num_sms : 1);
   if (s > gemv::kMaxSplits) s = gemv::kMaxSplits;
   if (s > p.ku_count) s = p.ku_count;

@@ -6,10 +6,12 @@
 //     4.25 TB/s copy bandwidth is ~26 weights / clock / SM at 1.98 GHz (the SM clock measured
 //     under this load is 1.72 GHz, which makes it ~30), i.e. ~4 thread-instructions per weight
 //     for everything. Measured (ncu, 57344x8192, K=4, M=1): ~430 warp-instructions per 64x64
-//     unit (3.4 / weight), 0.71 issued / scheduler / clock, DRAM at 56-62%: the kernel is
-//     issue-bound (integer pipe: transpose + table addressing), not bandwidth-bound.
+//     unit (3.4 / weight), 0.71 issued / scheduler / clock, DRAM at 56-62%: the kernel was
+//     issue-bound (integer pipe: transpose + table addressing), not bandwidth-bound; K=4's
+//     layout now stores the transposed words (~1/4 of those instructions gone).
 //   * Work: a warp streams the 64x64 units (kbit_layout.cuh) of one 64-column slab along K,
-//     16-byte loads, a few units in flight in registers. A CTA (8 warps) owns one slab and a
+//     16-byte loads, a few units in flight in registers. A CTA (8 warps, or 16 where the grid
+//     has at most one CTA per SM) owns one slab and a
 //     K range (its warps interleave over the units); a cluster of S CTAs (sm_90) splits K
 //     further and reduces through distributed shared memory, in a fixed order: deterministic,
 //     no global workspace, no memset, one launch (CUDA-graph safe).
@@ -22,7 +24,8 @@
 //   * Decode, per 32 elements (one word of each bit-plane):
 //       K=2: 2 planes -> two words of 2-bit fields (4 ops); every nibble is a PAIR of indices,
 //            looked up with one shuffle in a 16-entry half2 pair table held by the lanes.
-//       K=3,4: planes -> 4 "nibble" words (bit-matrix transpose, ~28 ops); every byte is a
+//       K=3,4: planes -> 4 "nibble" words (bit-matrix transpose, ~28 ops; K=4's layout stores
+//            them, kbit_layout.cuh, so there it is a register move); every byte is a
 //            pair of indices, looked up in a 256-entry (128 for K=3) half2 pair table in
 //            shared memory, replicated 32x so lane l always hits bank l (conflict-free).
 //       K=5: as K=4 plus the 5th plane merged into byte-wide fields; single-value shuffle
@@ -32,16 +35,17 @@
 //   * E4M4 absmax: fp16 bits (code << 6) == E4M4(code) / 16 exactly (kbit_layout.cuh), two
 //     codes per shift; the 16 is applied once in the epilogue.
 //
-// Where it stands (benchmarks/results): K=4, M=1 at 0.89-1.21x Marlin g128's time and 44-58%
-// of the copy bandwidth on the largest shapes; K=2 only 1.16-1.32x faster than K=4. Next, in
-// order of expected gain: (1) cut integer work at K=3/4: lay the pair table out so an entry's
-// address is one logical op on the nibble word (now extract + add), and move part of the
-// bit-plane transpose to the FMA pipe; (2) K=2: a 64 KB four-value table read with 8-byte
-// loads halves its lookups; (3) M = 9..16: 210-240 registers leave one CTA per SM, get two;
-// (4) serve M up to 32 (the mma kernel is flat in M up to 32 and 1.1-2.4x slower).
-// Tried and not adopted (same-run A/B, H200, bench_gemm.py --bits 2,4 --ms 1,4,16): issuing the
-// first unit loads before building the codebook table: 0.5-1.5% faster at M = 1, 4, but 2-5%
-// slower at M = 16, K = 4 (more registers live across the table build).
+// Where it stands (benchmarks/results, H200): K=4, M=1 at 0.68-0.92x Marlin g128's time on the
+// six benchmark shapes (L2 flushed, up to 72% of the copy bandwidth); the GEMMs of an 8B decode
+// step in one CUDA graph take 1702 us at M=1 against Marlin's 2145 (bench_decode.py). What got
+// it there: K=4's layout stores the nibble words (no transpose here), 16-warp CTAs where the
+// grid has at most one CTA per SM, one-wave split-K. At 8 < M <= 16 layers with a slab per SM go
+// to the wgmma kernel (kbit_ops.h); the others stay here at ~220 registers, one CTA per SM.
+// Next: wave quantization on wide layers (28672x4096 is 448 CTAs on 264 slots: 1.7 waves) wants
+// a persistent or stream-K split; K=3/5 still transpose planes; M = 9..16 registers.
+// Tried and not adopted (same-run A/B, H200): issuing the first unit loads before building the
+// codebook table, at every M (2b7449f's predecessor: +0.5-1.5% at M = 1, 4, -2-5% at M = 16)
+// and at M <= 8 only (decode step at M = 1, 4, 8: within +-1%, 2% slower at M = 8).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

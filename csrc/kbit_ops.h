@@ -58,19 +58,28 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
 // Bytes of `workspace` launch_gemv needs (0: its split-K reduces through cluster shared memory).
 size_t gemv_workspace_bytes(int m, int n, int k, int bits, int num_sms);
 
-// Whether the GEMV and wgmma kernels are launched with programmatic dependent launch
-// (kbit_common.cuh, wait_prior_grids): on compute capability >= 9.0 unless KBIT_PDL=0.
-inline bool use_pdl() {
+// Compute capability >= 9.0 on the current device (thread-block clusters, programmatic
+// dependent launch), cached per device.
+inline bool device_is_sm90_or_newer() {
   static int cached[64];  // per device: 0 unknown, 1 no, 2 yes
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
   if (cached[dev] == 0) {
     int major = 0;
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    const char* f = std::getenv("KBIT_PDL");
-    cached[dev] = major >= 9 && !(f != nullptr && f[0] == '0') ? 2 : 1;
+    cached[dev] = major >= 9 ? 2 : 1;
   }
   return cached[dev] == 2;
+}
+
+// Whether the GEMV and wgmma kernels are launched with programmatic dependent launch
+// (kbit_common.cuh, wait_prior_grids): on compute capability >= 9.0 unless KBIT_PDL=0.
+inline bool use_pdl() {
+  static const bool disabled = [] {
+    const char* f = std::getenv("KBIT_PDL");
+    return f != nullptr && f[0] == '0';
+  }();
+  return !disabled && device_is_sm90_or_newer();
 }
 
 // Tensor-core kernel for large M (implemented by kbit_mma.cuh + generated/mma_k*.cu).
