@@ -128,10 +128,6 @@ struct IndexWords {
       return v[4 * h + ep] >> (8 * q);
     }
   }
-  // The codebook index of that weight.
-  __device__ __forceinline__ uint32_t index(int q, int h, int ep) const {
-    return lane_of(q, h, ep) & ((1u << BITS) - 1u);
-  }
 };
 
 // The 4 pairs of column q (byte q of the plane words) for one block, from one word of each

@@ -27,8 +27,10 @@ constexpr int kGemvMaxM = 16;
 
 // `gemm`'s own choice when the caller does not force a path (H200 measurements by
 // benchmarks/bench_gemm.py, 2026-11-21, results in benchmarks/results/):
-//   M <= gemv_max_m(bits)                    GEMV (faster than the mma kernel at every M <= 16);
-//   gemv_max_m < M < dequant_min_m(bits)     the mma.sync tensor-core kernel;
+//   M <= gemv_max_m(bits)                    GEMV (faster than the mma kernel at every M <= 16),
+//     except layers with a 64-column slab per SM at 8 < M <= 16 on Hopper: wgmma (below);
+//   gemv_max_m < M <= wgmma_max_m(bits)      on Hopper builds with sm_90a: the wgmma kernel;
+//   else M < dequant_min_m(bits)             the mma.sync tensor-core kernel;
 //   M >= dequant_min_m(bits)                 dequantize row chunks to scratch + cuBLAS. At K=4,
 //     M = 256 the mma kernel wins on all six benchmark shapes (by 1.05-1.9x), at M = 512 each
 //     wins on three (mma by up to 1.16x, dequantize + cuBLAS by up to 1.46x), from M = 1024
