@@ -30,7 +30,7 @@ namespace {
 //     per SM otherwise; S = 1 once NU alone covers that (57344x8192, 28672x4096).
 int choose_splits(int m, int nu, int ku, int num_sms) {
   const int s_max = ku < kMaxSplits ? ku : kMaxSplits;
-  if (m > 8 || nu <= num_sms) {
+  if (m > kGemvOneTileM || nu <= num_sms) {
     int s = 1;
     while (s < s_max && (long long)nu * (s + 1) <= num_sms) ++s;
     return s;
@@ -73,7 +73,7 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
     const char* f = std::getenv("KBIT_GEMV_WIDE");
     return f != nullptr ? std::atoi(f) : -1;
   }();
-  const bool wide = m <= 8 && (force_wide >= 0 ? force_wide == 1 : (long long)n_units(n) * s <= num_sms);
+  const bool wide = m <= kGemvOneTileM && (force_wide >= 0 ? force_wide == 1 : (long long)n_units(n) * s <= num_sms);
   switch (bits) {
     case 2: return gemv::launch_bits<2>(dtype, p, s, wide, stream);
     case 3: return gemv::launch_bits<3>(dtype, p, s, wide, stream);

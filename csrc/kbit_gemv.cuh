@@ -88,26 +88,6 @@ template <int BITS, int MT> struct Stage {
   uint32_t x[MT][2][4];      // [n8 tile][block][i]: x[row][32 kb + 2t + 8i .. +1]
 };
 
-// m16n8k16 with fp32 accumulation; A row-major (W: 16 columns x 16 k), B col-major (x^T).
-template <typename T> __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
-                                                          uint32_t b0, uint32_t b1, const float (&c)[4]);
-template <> __device__ __forceinline__ void mma<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                        uint32_t b1, const float (&c)[4]) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%11,%12,%13};"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
-        "f"(c[3]));
-}
-template <> __device__ __forceinline__ void mma<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                               uint32_t b1, const float (&c)[4]) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%11,%12,%13};"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
-        "f"(c[3]));
-}
-
 // Loads of unit `ku` into registers: 16-byte streaming loads of the planes and absmax (the
 // 4 lanes of a column group read the same absmax bytes: one broadcast), 32-bit x loads.
 // (Measured: carrying incremented pointers across the loop instead of this index math costs
@@ -187,8 +167,8 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
         for (int mt = 0; mt < MT; ++mt) {
           const float zero[4] = {0.f, 0.f, 0.f, 0.f};
           float d[4];
-          mma<T>(d, frag0, bx[mt][0][0], bx[mt][0][1], zero);
-          mma<T>(d, frag1, bx[mt][1][0], bx[mt][1][1], d);
+          mma_m16n8k16<T>(d, frag0, bx[mt][0][0], bx[mt][0][1], zero);  // A = W, B = x^T
+          mma_m16n8k16<T>(d, frag1, bx[mt][1][0], bx[mt][1][1], d);
           acc[pr][mt][0] = fmaf(scale[q0], d[0], acc[pr][mt][0]);
           acc[pr][mt][1] = fmaf(scale[q0], d[1], acc[pr][mt][1]);
           acc[pr][mt][2] = fmaf(scale[q1], d[2], acc[pr][mt][2]);
@@ -348,7 +328,7 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
 // kWideWarps warps (M <= 8 only).
 template <int BITS>
 cudaError_t launch_bits(DType dtype, const Params& p, int splits, bool wide, cudaStream_t stream) {
-  const bool two_tiles = p.m > 8;
+  const bool two_tiles = p.m > kGemvOneTileM;
   if (dtype == DType::kHalf)
     return two_tiles ? launch_t<BITS, 2, __half, kWarps>(p, splits, stream)
            : wide    ? launch_t<BITS, 1, __half, kWideWarps>(p, splits, stream)

@@ -153,15 +153,6 @@ struct Dt<half> {
   __device__ __forceinline__ static uint32_t cb_bits(float v) {
     return __half_as_ushort(__float2half_rn(v * 16.0f));
   }
-  // mma.sync m16n8k16, fp16 x fp16 -> fp32 (row-major A, "col-major" B = our n-major frags).
-  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
   // Packed f16x2 multiply / fma (FMA pipe, not the integer ALU that the index math loads).
   __device__ __forceinline__ static uint32_t mul2(uint32_t a, uint32_t b) {
     uint32_t d;
@@ -190,14 +181,6 @@ struct Dt<__nv_bfloat16> {
   __device__ __forceinline__ static uint32_t cb_bits(float v) {
     const float s = __bfloat162float(__float2bfloat16_rn(v)) * 0x1p116f;
     return __bfloat16_as_ushort(__float2bfloat16_rn(s));
-  }
-  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
   // a * b as fma(a, b, -0): exact (x + -0 == x, signed zeros included) and available on
   // sm_80, where mul.bf16x2 is not (sm_90+).
@@ -574,7 +557,8 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) kbit_mma_kernel(const Para
 #pragma unroll
               for (int j = 0; j < NG; ++j)
 #pragma unroll
-                for (int mb = 0; mb < kMG; ++mb) D::mma(acc[m0 + mb][j], a[mb], bf[j][0], bf[j][1]);
+                for (int mb = 0; mb < kMG; ++mb)
+                  mma_m16n8k16<T>(acc[m0 + mb][j], a[mb], bf[j][0], bf[j][1], acc[m0 + mb][j]);
             }
           }
         }

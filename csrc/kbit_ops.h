@@ -18,6 +18,8 @@
 
 #include <cuda_runtime.h>
 
+#include "kbit_layout.cuh"
+
 namespace kbit {
 
 enum class DType { kHalf, kBFloat16, kFloat32 };
@@ -107,7 +109,7 @@ inline int wgmma_max_m(int /*bits*/) { return kWgmmaMaxM; }
 // faster on the GEMV (13.8 / 9.7 / 20.3 us against 14.2 / 13.1 / 30.1).
 constexpr int kGemvOneTileM = 8;
 inline bool wide_small_m_to_wgmma(int m, int n, int num_sms) {
-  return m > kGemvOneTileM && m <= kGemvMaxM && (n + 63) / 64 >= num_sms;
+  return m > kGemvOneTileM && m <= kGemvMaxM && n_units(n) >= num_sms;
 }
 bool wgmma_supported();
 cudaError_t launch_wgmma(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,
