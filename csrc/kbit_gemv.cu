@@ -10,39 +10,53 @@
 namespace kbit {
 namespace gemv {
 
-extern template cudaError_t launch_bits<2>(DType, const Params&, int, bool, cudaStream_t);
-extern template cudaError_t launch_bits<3>(DType, const Params&, int, bool, cudaStream_t);
-extern template cudaError_t launch_bits<4>(DType, const Params&, int, bool, cudaStream_t);
-extern template cudaError_t launch_bits<5>(DType, const Params&, int, bool, cudaStream_t);
+extern template cudaError_t launch_bits<2>(DType, const Params&, int, int, cudaStream_t);
+extern template cudaError_t launch_bits<3>(DType, const Params&, int, int, cudaStream_t);
+extern template cudaError_t launch_bits<4>(DType, const Params&, int, int, cudaStream_t);
+extern template cudaError_t launch_bits<5>(DType, const Params&, int, int, cudaStream_t);
 
 namespace {
 
-// Split-K factor S (cluster size) from the shape alone. Measured on the H200 (in a CUDA graph
-// of an 8B decode step, benchmarks/bench_decode.py --kbit-paths gemv:1,...; before that with
-// bench_gemm.py --sweep-splits): a CTA has a fixed cost of a few microseconds (pipeline fill,
-// table, cluster reduction), and a second wave of CTAs costs a whole CTA time, so:
-//   * NU <= SMs (every slab gets an SM): one wave of one CTA per SM, the largest S with
-//     NU * S <= SMs; at M <= 8 those CTAs have 16 warps (kWideWarps). 6144x4096 (NU = 96):
-//     8.3 us at S = 1 against 9.1 at S = 2 with 8-warp CTAs; 4096x14336 (NU = 64): 13.1 us at
-//     S = 2 against 15.0 with 8-warp CTAs, 18.6 at S = 1.
-//   * M > 8 (two n8 tiles of x, ~220 registers: one CTA per SM at any NU): the same rule.
+// Split-K factor S (cluster size) and CTA size from the shape alone. Measured on the H200 (in
+// a CUDA graph of an 8B decode step, benchmarks/bench_decode.py --kbit-paths gemv:1,...;
+// before that with bench_gemm.py --sweep-splits): a CTA has a fixed cost of a few microseconds
+// (pipeline fill, table, cluster reduction), and a second wave of CTAs costs a whole CTA
+// time, so every rule below aims at one wave of 16 warps per SM:
+//   * NU <= SMs (every slab gets an SM): one CTA per SM, the largest S with NU * S <= SMs;
+//     at M <= 8 those CTAs have 16 warps (kWideWarps). 6144x4096 (NU = 96): 8.3 us at S = 1
+//     against 9.1 at S = 2 with 8-warp CTAs; 4096x14336 (NU = 64): 13.1 us at S = 2 against
+//     15.0 with 8-warp CTAs, 18.6 at S = 1.
+//   * M > 8 (two n8 tiles of x, ~220 registers: one 8-warp CTA per SM at any NU): the same.
+//   * M <= 8, SMs < NU <= 4 SMs: four 4-warp CTAs per SM (kNarrowWarps), the largest S with
+//     NU * S <= 4 SMs while each warp still streams >= 8 units (28672x4096: 448 CTAs in one
+//     wave, where 8-warp CTAs took 1.7 waves of two per SM).
 //   * else, at M <= 8: two 8-warp CTAs per SM when every warp still streams >= 8 units, one
-//     per SM otherwise; S = 1 once NU alone covers that (57344x8192, 28672x4096).
-int choose_splits(int m, int nu, int ku, int num_sms) {
+//     per SM otherwise; S = 1 once NU alone covers that (57344x8192).
+// KBIT_GEMV_WARPS = 4 | 8 | 16 forces the CTA size at M <= 8 (tuning; read once).
+struct Plan {
+  int splits, warps;
+};
+Plan choose_plan(int m, int nu, int ku, int num_sms) {
   const int s_max = ku < kMaxSplits ? ku : kMaxSplits;
-  if (m > kGemvOneTileM || nu <= num_sms) {
+  // the largest S with NU * S <= slots (and, given warps per CTA, >= 8 units per warp)
+  const auto largest = [&](long long slots, int warps_per_cta) {
     int s = 1;
-    while (s < s_max && (long long)nu * (s + 1) <= num_sms) ++s;
+    while (s < s_max && (long long)nu * (s + 1) <= slots &&
+           (warps_per_cta == 0 || div_up(div_up(ku, s + 1), warps_per_cta) >= 8))
+      ++s;
     return s;
-  }
+  };
+  if (m > kGemvOneTileM) return {largest(num_sms, 0), kWarps};
+  if (nu <= num_sms) return {largest(num_sms, 0), kWideWarps};
+  if (nu <= 4LL * num_sms) return {largest(4LL * num_sms, kNarrowWarps), kNarrowWarps};
   const auto smallest = [&](long long ctas_wanted) {
     int s = 1;
     while (s < s_max && (long long)nu * s * 10 < 9 * ctas_wanted) ++s;
     return s;
   };
   const int s2 = smallest(2LL * num_sms);
-  if (div_up(div_up(ku, s2), kWarps) >= 8) return s2;
-  return smallest(num_sms);
+  if (div_up(div_up(ku, s2), kWarps) >= 8) return {s2, kWarps};
+  return {smallest(num_sms), kWarps};
 }
 
 }  // namespace
@@ -62,23 +76,26 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   p.ku_count = k_units(k);
   p.pdl = use_pdl();
   const bool clusters = device_is_sm90_or_newer();
-  int s = splits > 0 ? splits : gemv::choose_splits(m, n_units(n), p.ku_count, num_sms > 0 ? num_sms : 1);
+  const gemv::Plan plan = gemv::choose_plan(m, n_units(n), p.ku_count, num_sms > 0 ? num_sms : 1);
+  int s = splits > 0 ? splits : plan.splits;
   if (s > gemv::kMaxSplits) s = gemv::kMaxSplits;
   if (s > p.ku_count) s = p.ku_count;
   if (!clusters) s = 1;
   p.chunk = div_up(p.ku_count, s);
-  // at most one CTA per SM: give each twice the warps (kbit_gemv.cuh, kWideWarps);
-  // KBIT_GEMV_WIDE=0 / 1 overrides (tuning)
-  static const int force_wide = [] {
-    const char* f = std::getenv("KBIT_GEMV_WIDE");
-    return f != nullptr ? std::atoi(f) : -1;
+  static const int force_warps = [] {
+    const char* f = std::getenv("KBIT_GEMV_WARPS");
+    return f != nullptr ? std::atoi(f) : 0;
   }();
-  const bool wide = m <= kGemvOneTileM && (force_wide >= 0 ? force_wide == 1 : (long long)n_units(n) * s <= num_sms);
+  int warps = plan.warps;
+  if (force_warps == gemv::kNarrowWarps || force_warps == gemv::kWarps || force_warps == gemv::kWideWarps)
+    warps = force_warps;
+  else if (splits > 0 && warps == gemv::kWideWarps && (long long)n_units(n) * s > num_sms)
+    warps = gemv::kWarps;  // a forced split that no longer fits one CTA per SM
   switch (bits) {
-    case 2: return gemv::launch_bits<2>(dtype, p, s, wide, stream);
-    case 3: return gemv::launch_bits<3>(dtype, p, s, wide, stream);
-    case 4: return gemv::launch_bits<4>(dtype, p, s, wide, stream);
-    case 5: return gemv::launch_bits<5>(dtype, p, s, wide, stream);
+    case 2: return gemv::launch_bits<2>(dtype, p, s, warps, stream);
+    case 3: return gemv::launch_bits<3>(dtype, p, s, warps, stream);
+    case 4: return gemv::launch_bits<4>(dtype, p, s, warps, stream);
+    case 5: return gemv::launch_bits<5>(dtype, p, s, warps, stream);
   }
   return cudaErrorInvalidValue;
 }

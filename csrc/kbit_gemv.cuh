@@ -65,10 +65,16 @@ namespace kbit {
 namespace gemv {
 
 constexpr int kWarps = 8;                 // warps per CTA (two CTAs per SM at M <= 8)
-// CTAs of kWideWarps warps serve M <= 8 where the grid has at most one CTA per SM anyway
-// (64-column slabs x splits <= SMs, e.g. 4096x14336 and 4096x4096 at S = 2): twice the warps
-// per SM to hide the DRAM latency.
+// CTA sizes at M <= 8 (kbit_gemv.cu picks one from the grid, always 16 warps per SM):
+//   kWideWarps where the grid has at most one CTA per SM anyway (64-column slabs x splits
+//   <= SMs, e.g. 4096x14336 and 4096x4096 at S = 2): twice the warps per SM to hide the DRAM
+//   latency;
+//   kNarrowWarps (four CTAs per SM) where the slabs fit four per SM but not two: one wave
+//   instead of 1.7 on 28672x4096 (448 slabs, 264 two-per-SM slots).
 constexpr int kWideWarps = 16;
+constexpr int kNarrowWarps = 4;
+// CTAs per SM the kernel is compiled for (registers: 65536 / (threads x this) each).
+template <int MT, int W> constexpr int min_blocks() { return MT > 1 ? 1 : W == kNarrowWarps ? 4 : W == kWarps ? 2 : 1; }
 constexpr int kMaxSplits = 8;             // portable cluster size
 constexpr int kPairsPerLane = 4;          // m16 column-group pairs per unit (8 n8 groups / 2)
 
@@ -191,7 +197,7 @@ template <int BITS, int MT, int W> struct Smem {
 };
 
 template <int BITS, int MT, typename T, int W>
-__global__ void __launch_bounds__(W * 32, MT == 1 && W == kWarps ? 2 : 1) gemv_kernel(const Params p) {
+__global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(const Params p) {
   constexpr int kWarps = W, kThreads = W * 32;
   extern __shared__ __align__(16) uint32_t smem[];
   using S = Smem<BITS, MT, W>;
@@ -324,19 +330,20 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, gemv_kernel<BITS, MT, T, W>, p);
 }
 
-// Entry point of one bit width (instantiated in generated/gemv_k<BITS>.cu); `wide`: CTAs of
-// kWideWarps warps (M <= 8 only).
+template <int BITS, typename T>
+cudaError_t launch_dt(const Params& p, int splits, int warps, cudaStream_t stream) {
+  if (p.m > kGemvOneTileM) return launch_t<BITS, 2, T, kWarps>(p, splits, stream);
+  if (warps == kWideWarps) return launch_t<BITS, 1, T, kWideWarps>(p, splits, stream);
+  if (warps == kNarrowWarps) return launch_t<BITS, 1, T, kNarrowWarps>(p, splits, stream);
+  return launch_t<BITS, 1, T, kWarps>(p, splits, stream);
+}
+
+// Entry point of one bit width (instantiated in generated/gemv_k<BITS>.cu); `warps` per CTA:
+// kNarrowWarps, kWarps or kWideWarps at M <= 8 (M > 8 always runs kWarps).
 template <int BITS>
-cudaError_t launch_bits(DType dtype, const Params& p, int splits, bool wide, cudaStream_t stream) {
-  const bool two_tiles = p.m > kGemvOneTileM;
-  if (dtype == DType::kHalf)
-    return two_tiles ? launch_t<BITS, 2, __half, kWarps>(p, splits, stream)
-           : wide    ? launch_t<BITS, 1, __half, kWideWarps>(p, splits, stream)
-                     : launch_t<BITS, 1, __half, kWarps>(p, splits, stream);
-  if (dtype == DType::kBFloat16)
-    return two_tiles ? launch_t<BITS, 2, __nv_bfloat16, kWarps>(p, splits, stream)
-           : wide    ? launch_t<BITS, 1, __nv_bfloat16, kWideWarps>(p, splits, stream)
-                     : launch_t<BITS, 1, __nv_bfloat16, kWarps>(p, splits, stream);
+cudaError_t launch_bits(DType dtype, const Params& p, int splits, int warps, cudaStream_t stream) {
+  if (dtype == DType::kHalf) return launch_dt<BITS, __half>(p, splits, warps, stream);
+  if (dtype == DType::kBFloat16) return launch_dt<BITS, __nv_bfloat16>(p, splits, warps, stream);
   return cudaErrorInvalidValue;
 }
 

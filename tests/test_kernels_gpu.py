@@ -166,11 +166,13 @@ def test_gemv_forced_splits(bits):
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gemv_cta_sizes(bits, dtype):
-    """M <= 8 runs 16-warp CTAs where 64-column slabs x splits fit one per SM, 8-warp CTAs
-    (two per SM) elsewhere (kbit_gemv.cu): a shape on each side, forced splits included."""
+    """M <= 8 runs 16-warp CTAs where 64-column slabs x splits fit one per SM, 4-warp CTAs
+    (four per SM) where the slabs fit four per SM, 8-warp CTAs (two per SM) beyond
+    (kbit_gemv.cu): shapes in each range and on their edges, forced splits included."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for n, k, splits in [(1000, 2080, 0), (64 * sms // 2 - 24, 1056, 2), (64 * 2 * sms + 8, 1056, 0),
-                         (64 * sms + 8, 544, 2)]:
+                         (64 * sms + 8, 544, 2), (64 * sms + 8, 2080, 0), (64 * 4 * sms, 1056, 0),
+                         (64 * 4 * sms + 8, 1056, 0)]:
         for m in (1, 6, 8):
             _check_gemm(n, k, bits, dtype, m, path=PATH_GEMV, splits=splits, bias=(m == 6))
 
