@@ -60,6 +60,7 @@ namespace wg {
 
 constexpr int kSlabs = 4;               // one 64-column layout slab per warp of a warpgroup
 constexpr int kMaxSplits = 8;           // portable cluster size
+constexpr int kPlanInts = 7;            // wgmma_plan_info's out[] (kbit_ops.h)
 
 using Params = StreamParams;  // kbit_common.cuh
 
@@ -462,32 +463,62 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(c
 #endif
 }
 
-// CTAs one SM holds for an instantiation (registers and shared memory). The first call also
-// opts the kernel into its dynamic shared memory; both are cached per instantiation.
-template <int BITS, int MT, int CN, typename T> int blocks_per_sm() {
-  using C = Cfg<BITS, MT, CN>;
-  static int cached = 0;
-  if (cached == 0) {
-    int b = 0;
+// Occupancy of one instantiation, from the CUDA occupancy API once per process (the first call
+// also opts the kernel into its dynamic shared memory): CTAs one SM holds, the dynamic shared
+// memory that leaves room for only one CTA per SM ("spread" launches, below), and how many
+// clusters of s CTAs can be resident at once, packed or spread.
+struct Occupancy {
+  int per_sm = 1;
+  int spread_bytes = 0;
+  int clusters[kMaxSplits + 1][2] = {};  // [s][spread]; 0 = the API gave no answer
+};
+
+template <int BITS, int MT, int CN, typename T> const Occupancy& occupancy() {
+  static const Occupancy occ = [] {
+    using C = Cfg<BITS, MT, CN>;
     const auto kernel = wgmma_kernel<BITS, MT, CN, T>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kBytes) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, C::kThreads, C::kBytes) != cudaSuccess)
-      b = 1;
-    cached = b > 0 ? b : 1;
-  }
-  return cached;
+    Occupancy o;
+    int dev = 0, smem_sm = 0, b = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+    // two CTAs need 2 x (bytes + 1 KB reserved) <= the SM's shared memory: half of it is too much
+    o.spread_bytes = C::kBytes > smem_sm / 2 ? C::kBytes : smem_sm / 2;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, o.spread_bytes);
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, C::kThreads, C::kBytes) == cudaSuccess && b > 0)
+      o.per_sm = b;
+    for (int s = 1; s <= kMaxSplits; ++s)
+      for (int spread = 0; spread < 2; ++spread) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(s, 1, 1);
+        cfg.blockDim = dim3(C::kThreads, 1, 1);
+        cfg.dynamicSmemBytes = spread ? o.spread_bytes : C::kBytes;
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = s;
+        attr.val.clusterDim.y = 1;
+        attr.val.clusterDim.z = 1;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        int n = 0;
+        o.clusters[s][spread] = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess ? n : 0;
+      }
+    cudaGetLastError();  // an unanswered query leaves no sticky error behind
+    return o;
+  }();
+  return occ;
 }
 
-// Launch one instantiation with `splits` (1..kMaxSplits) CTAs per cluster along K.
+// Launch one instantiation with `splits` (1..kMaxSplits) CTAs per cluster along K; `spread`:
+// with spread_bytes of shared memory, so that no SM takes two CTAs.
 template <int BITS, int MT, int CN, typename T>
-cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
+cudaError_t launch_t(const Params& p, int splits, bool spread, cudaStream_t stream) {
   using C = Cfg<BITS, MT, CN>;
   const auto kernel = wgmma_kernel<BITS, MT, CN, T>;
-  blocks_per_sm<BITS, MT, CN, T>();  // the shared-memory opt-in (once)
+  const Occupancy& occ = occupancy<BITS, MT, CN, T>();  // and the shared-memory opt-in (once)
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(splits, div_up(n_units(p.n), C::kSlabsCta), div_up(p.m, MT));
   cfg.blockDim = dim3(C::kThreads, 1, 1);
-  cfg.dynamicSmemBytes = C::kBytes;
+  cfg.dynamicSmemBytes = spread ? occ.spread_bytes : C::kBytes;
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -501,24 +532,44 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-// Split-K factor from the shape alone: the fewest waves of CTAs times the K-tiles each CTA
-// streams plus a fixed cost per CTA (pipeline fill, table, reduction ~ kSplitCost K-tiles).
-inline int choose_splits(long long ctas, int ku, int slots) {
-  constexpr int kSplitCost = 3;
-  int best = 1;
+// Split-K factor from the shape and the occupancy: the fewest waves x CTA time, a CTA's time
+// being its K-tiles at a rate set by how many CTAs share its SM, plus a fixed cost (pipeline
+// fill, table, reduction: ~3 K-tiles). Measured on the H200 (bench_gemm.py --sweep-splits
+// --path wgmma, M = 16 and 64, 8192x28672 and 4096x14336, 2026-11-21):
+//   * a K-tile takes a 256-column CTA ~1.0 us alone on its SM and ~1.7 us with a second one
+//     beside it (0.83 us per K-tile per SM: two CTAs gain only ~20%);
+//   * the cluster scheduler packs clusters two CTAs per SM where it can: 128 CTAs in clusters
+//     of 4 took 170 us against 149 for 96 in clusters of 3 (150 vs 112 K-tiles each). So a grid
+//     of at most one CTA per SM is launched spread (shared memory for one CTA per SM);
+//   * clusters that cannot all be resident at once run in a second wave: 32 clusters of 8
+//     (256 CTAs for 264 two-per-SM slots) took 179 us against 111 for 32 clusters of 7. The
+//     occupancy API's count of resident clusters says when.
+struct SplitChoice {
+  int splits;
+  bool spread;
+};
+inline SplitChoice choose_splits(long long tiles, int ku, int num_sms, const Occupancy& occ) {
+  constexpr int kAlone = 10, kShared = 17, kFixed = 3 * kAlone;
+  SplitChoice best = {1, false};
   long long best_cost = -1;
   for (int s = 1; s <= kMaxSplits && s <= ku; ++s) {
     if (s > 1 && div_up(ku, s) < 2) break;  // at least two K-tiles per CTA
-    const long long waves = (ctas * s + slots - 1) / slots;
-    const long long cost = waves * (div_up(ku, s) + kSplitCost);
-    if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
+    const long long ctas = tiles * s;
+    const bool spread = occ.per_sm > 1 && ctas <= num_sms;
+    const int resident = occ.clusters[s][spread] > 0 ? occ.clusters[s][spread]
+                                                     : num_sms * (spread ? 1 : occ.per_sm) / s;
+    const long long waves = div_up(tiles, (long long)(resident > 0 ? resident : 1));
+    const long long per_sm = div_up(ctas, (long long)num_sms);  // CTAs on the busiest SM (one wave)
+    const long long busiest = spread ? 1 : per_sm < occ.per_sm ? per_sm : occ.per_sm;
+    const long long cost = waves * (div_up(ku, s) * (busiest >= 2 ? kShared : kAlone) + kFixed);
+    if (best_cost < 0 || cost < best_cost) best = {s, spread}, best_cost = cost;
   }
   return best;
 }
 
 // Debug overrides for tuning, read on every call, unset in production:
-// KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128 and KBIT_WGMMA_WIDE = 0 | 1 (512-column CTAs at tiles
-// <= 64 never / always).
+// KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128, KBIT_WGMMA_WIDE = 0 | 1 (512-column CTAs at tiles
+// <= 64 never / always) and KBIT_WGMMA_SPREAD = 0 (never launch spread).
 inline int env_int(const char* name, int fallback) {
   const char* f = std::getenv(name);
   return f != nullptr && *f != '\0' ? std::atoi(f) : fallback;
@@ -530,16 +581,16 @@ inline int tile_m(int m) {
 }
 
 // The plan of one call: [tile_m, splits, grid x (splits), grid y (column groups), grid z
-// (token tiles), columns per CTA]. `splits` > 0 forces the split factor (clamped to
-// 1..min(8, K-tiles)).
-template <int BITS, typename T> int bps_for(int mt, int cn) {
+// (token tiles), columns per CTA, CTAs per SM the launch allows (1 when spread)]. `splits` > 0
+// forces the split factor (clamped to 1..min(8, K-tiles)).
+template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn) {
   if (cn == 512)
-    return mt == 16 ? blocks_per_sm<BITS, 16, 512, T>() : mt == 32 ? blocks_per_sm<BITS, 32, 512, T>()
-                                                          : blocks_per_sm<BITS, 64, 512, T>();
-  return mt == 16   ? blocks_per_sm<BITS, 16, 256, T>()
-         : mt == 32 ? blocks_per_sm<BITS, 32, 256, T>()
-         : mt == 64 ? blocks_per_sm<BITS, 64, 256, T>()
-                    : blocks_per_sm<BITS, 128, 256, T>();
+    return mt == 16 ? occupancy<BITS, 16, 512, T>() : mt == 32 ? occupancy<BITS, 32, 512, T>()
+                                                      : occupancy<BITS, 64, 512, T>();
+  return mt == 16   ? occupancy<BITS, 16, 256, T>()
+         : mt == 32 ? occupancy<BITS, 32, 256, T>()
+         : mt == 64 ? occupancy<BITS, 64, 256, T>()
+                    : occupancy<BITS, 128, 256, T>();
 }
 
 // 512-column CTAs halve the x traffic per weight (each CTA re-reads x from L2) but halve the
@@ -555,34 +606,37 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
     cn = 512;
   } else if (mt >= 32 && mt <= 64 && force_wide != 0) {
     const int gy_w = div_up(n_units(p.n), 512 / kUnitN);
-    if (choose_splits((long long)gy_w * gz, p.ku_count, bps_for<BITS, T>(mt, 512) * num_sms) <= 2) cn = 512;
+    if (choose_splits((long long)gy_w * gz, p.ku_count, num_sms, occupancy_for<BITS, T>(mt, 512)).splits <= 2) cn = 512;
   }
   const int gy = div_up(n_units(p.n), cn / kUnitN);
-  int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, bps_for<BITS, T>(mt, cn) * num_sms);
+  const Occupancy& occ = occupancy_for<BITS, T>(mt, cn);
+  int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, num_sms, occ).splits;
   s = s < 1 ? 1 : s > kMaxSplits ? kMaxSplits : s > p.ku_count ? p.ku_count : s;
   p.chunk = div_up(p.ku_count, s);
   s = div_up(p.ku_count, p.chunk);  // no empty CTA
-  out[0] = mt; out[1] = s; out[2] = s; out[3] = gy; out[4] = gz; out[5] = cn;
+  const bool spread = occ.per_sm > 1 && (long long)gy * gz * s <= num_sms && env_int("KBIT_WGMMA_SPREAD", 1) != 0;
+  out[0] = mt; out[1] = s; out[2] = s; out[3] = gy; out[4] = gz; out[5] = cn; out[6] = spread ? 1 : occ.per_sm;
 }
 
 template <int BITS, typename T>
 cudaError_t launch_t2(Params p, int splits, int num_sms, cudaStream_t stream, int* plan) {
-  int local[6];
+  int local[kPlanInts];
   int* pl = plan != nullptr ? plan : local;
   plan_t<BITS, T>(p, splits, num_sms, pl);
   if (plan != nullptr && p.x == nullptr) return cudaSuccess;  // plan query only
+  const bool spread = pl[6] == 1 && occupancy_for<BITS, T>(pl[0], pl[5]).per_sm > 1;
   if (pl[5] == 512) {
     switch (pl[0]) {
-      case 16: return launch_t<BITS, 16, 512, T>(p, pl[1], stream);
-      case 32: return launch_t<BITS, 32, 512, T>(p, pl[1], stream);
-      default: return launch_t<BITS, 64, 512, T>(p, pl[1], stream);
+      case 16: return launch_t<BITS, 16, 512, T>(p, pl[1], spread, stream);
+      case 32: return launch_t<BITS, 32, 512, T>(p, pl[1], spread, stream);
+      default: return launch_t<BITS, 64, 512, T>(p, pl[1], spread, stream);
     }
   }
   switch (pl[0]) {
-    case 16: return launch_t<BITS, 16, 256, T>(p, pl[1], stream);
-    case 32: return launch_t<BITS, 32, 256, T>(p, pl[1], stream);
-    case 64: return launch_t<BITS, 64, 256, T>(p, pl[1], stream);
-    default: return launch_t<BITS, 128, 256, T>(p, pl[1], stream);
+    case 16: return launch_t<BITS, 16, 256, T>(p, pl[1], spread, stream);
+    case 32: return launch_t<BITS, 32, 256, T>(p, pl[1], spread, stream);
+    case 64: return launch_t<BITS, 64, 256, T>(p, pl[1], spread, stream);
+    default: return launch_t<BITS, 128, 256, T>(p, pl[1], spread, stream);
   }
 }
 

@@ -25,8 +25,8 @@ if not gemm_cases.have("has_wgmma"):
 
 
 def plan(m, n, k, bits, dtype=torch.float16, splits=0):
-    tile_m, s, gx, gy, gz, cols = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
-    return dict(tile_m=tile_m, splits=s, grid=(gx, gy, gz), cols=cols)
+    tile_m, s, gx, gy, gz, cols, per_sm = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
+    return dict(tile_m=tile_m, splits=s, grid=(gx, gy, gz), cols=cols, per_sm=per_sm)
 
 
 def check(m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0, splits=0):
@@ -95,6 +95,20 @@ def test_plans_use_split_k_and_not():
     assert plan(16, 57344, 8192, 4)["cols"] == 256
     assert plan(17, 4096, 4096, 4)["tile_m"] == 32 and plan(16, 4096, 4096, 4)["tile_m"] == 16
     assert plan(200, 4096, 4096, 4)["tile_m"] == 128 and plan(200, 4096, 4096, 4)["grid"][2] == 2
+
+
+def test_spread_launch(monkeypatch):
+    # A grid of at most one CTA per SM is launched with half an SM's shared memory, so the
+    # cluster scheduler cannot pack two CTAs on one SM (kbit_wgmma.cuh, choose_splits); results
+    # must not depend on it.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n = 64 * 4 * (sms // 8)  # sms // 8 column groups: eight K-splits fill the SMs once
+    p = plan(64, n, 14336, 4)
+    assert p["splits"] * p["grid"][1] <= sms and p["per_sm"] == 1, p
+    check(64, n, 14336, 4, torch.float16, bias=True)
+    monkeypatch.setenv("KBIT_WGMMA_SPREAD", "0")
+    assert plan(64, n, 14336, 4)["per_sm"] > 1
+    check(64, n, 14336, 4, torch.bfloat16, bias=True)
 
 
 @pytest.mark.parametrize("m,n,k,bits,dtype", [
