@@ -5,7 +5,7 @@
 // Why this shape (Machete's transposition, seed 002): compute Y^T = W X^T with the
 // dequantized W as wgmma's register-sourced A operand and x^T as the shared-memory B operand.
 // Then the weights never round-trip through shared memory after decode, the tokens are the
-// wgmma N dimension (16..64 here, the sizes decode batches have), and the instruction is
+// wgmma N dimension (16..128 per CTA; M from 9 to 511 is served here), and the instruction is
 // asynchronous: the tensor cores multiply one 32-block while the warps decode the next.
 //   * a warpgroup (4 warps): warp w owns the 64-column slab w of the CTA's slabs, i.e.
 //     exactly the lane-local fragments of kbit_layout.cuh (no data crosses lanes or warps).
@@ -19,15 +19,15 @@
 //     by the E4M4 constant, then one HMUL2 by the block's scale) -> 8 wgmma (4 row tiles x
 //     2 k16 steps) into two alternating A buffers: block b+1 decodes while block b multiplies
 //     (wgmma.wait_group 1).
-//   * x goes global -> registers kXGroups K-tiles ahead (it is L2-resident; thread groups take
-//     turns when a tile has fewer items than threads), then each thread stores its item
-//     permuted into the decoder's k order (kbit_decode.cuh) and into the 128-byte swizzled
-//     K-major tile wgmma's descriptor describes; fence.proxy.async publishes those
-//     generic-proxy writes to the tensor core's async proxy.
+//   * x is used as stored: the decoder's pairs come in a permuted k order (kbit_decode.cuh), and
+//     one PRMT per A register regroups them into natural k, so x rows go to shared memory by
+//     plain 16-byte cp.async into the 128 B-swizzled K-major tile wgmma's descriptor describes,
+//     in the same stage as W. (Before: x through registers, permuted, stored by the threads;
+//     a probe build without that x path was 35-45 us faster on 57344x8192, docs/MMA.md.)
 //   * W: each warp cp.asyncs its own unit per K-tile (no CTA-wide data), as many stages deep as
 //     shared memory allows (the DRAM stream), and each lane reads back only its own 16 B per
 //     plane (conflict-free LDS.128).
-//   * one __syncthreads per K-tile (W of tile t landed, permuted x of tile t visible).
+//   * one __syncthreads per K-tile (x and W of tile t landed and fenced for the async proxy).
 //   * split-K across a thread-block cluster (<= 8 CTAs along K), reduced through distributed
 //     shared memory in a fixed order: deterministic, no workspace, one launch (graph safe).
 #pragma once
@@ -77,34 +77,33 @@ template <int BITS, int MT, int CN> struct Cfg {
   static constexpr int kThreads = 128 * kWG;
   static constexpr int kSets = kSplitRows ? 2 : 4;          // accumulator sets (row tiles) per thread
   static constexpr int kHalves = kSplitRows ? 1 : 2;        // plane words h a warp decodes per block
-  static constexpr int kXItems = 2 * MT;                    // x items (row, 32-block) per K-tile
-  static constexpr int kXGroups = kThreads / kXItems;       // thread groups taking turns on x tiles
-  static_assert(kThreads % kXItems == 0, "x items divide the threads");
   static constexpr int kUnitBytes = BITS * 512 + kUnitAbsmaxBytes;  // one layout unit
   static constexpr int kXBytes = MT * 128;    // MT rows x 64 k x 2 B; a multiple of the 1 KB swizzle atom
-  static constexpr int kPerm = 3;  // permuted x tiles: t (read), t+1 (written), t-1 (wgmma may still read)
-  static constexpr int kStageBytes = kSlabsCta * kUnitBytes;  // one K-tile of W (the slabs' units)
-  static constexpr int kFixedBytes = kPerm * kXBytes + PairTable<BITS>::kLutBytes;
-  // W stages: as deep as fits next to the fixed part in the shared memory of one CTA when two
-  // share an SM (one-warpgroup tiles) or of a whole SM (two warpgroups), capped at 8. The W
-  // stream comes from DRAM: with stages - 1 K-tiles in flight per CTA the loop is no longer
-  // waiting on memory latency every iteration (3 stages with x in them were: ~1 us per K-tile).
+  static constexpr int kXChunks = MT * 8;     // 16 B cp.async chunks of one x tile
+  static constexpr int kWBytes = kSlabsCta * kUnitBytes;    // one K-tile of W (the slabs' units)
+  static constexpr int kStageBytes = kXBytes + (kWBytes + 1023) / 1024 * 1024;  // x tile, then W (1 KB steps)
+  static constexpr int kLutOff = 0;
+  static constexpr int kStageOff = PairTable<BITS>::kLutBytes;  // a multiple of 1 KB (128 B per entry)
+  // Stages: as deep as fits next to the table in the shared memory of one CTA when two share
+  // an SM (one-warpgroup tiles) or of a whole SM (two warpgroups), capped at 8. Tile t's stage
+  // is refilled with tile t + kStages at iteration t + 2 (the wgmmas of tile t may still read
+  // its x during iteration t + 1), so kStages - 2 K-tiles are in flight from DRAM (W) and L2 (x).
 #ifdef KBIT_WG_DEV_STAGES
   static constexpr int kStages = KBIT_WG_DEV_STAGES;
 #else
   static constexpr int kBudget = (kWG == 1 ? 110 : 220) * 1024;
-  static constexpr int kFit = (kBudget - kFixedBytes) / kStageBytes;
+  static constexpr int kFit = (kBudget - kStageOff) / kStageBytes;
   static constexpr int kStages = kFit > 8 ? 8 : kFit;
 #endif
-  static constexpr int kPermOff = 0;                        // 1 KB aligned (swizzle atoms)
-  static constexpr int kLutOff = kPerm * kXBytes;
-  static constexpr int kStageOff = kLutOff + PairTable<BITS>::kLutBytes;
+  static constexpr int kLead = kStages - 2;                 // K-tiles issued ahead of the one computed
   static constexpr int kPipeBytes = kStageOff + kStages * kStageBytes;
   static constexpr int kAcc = kSets * MT / 2;               // fp32 accumulators per thread
   static constexpr int kRedBytes = kAcc * kThreads * 4;     // split-K partials, after the pipeline
   static constexpr int kBytes = (kPipeBytes > kRedBytes ? kPipeBytes : kRedBytes) + 1024;  // + alignment
-  static_assert(kXBytes % 1024 == 0 && kUnitBytes % 16 == 0, "swizzle atoms and 16 B cp.async");
-  static_assert(kStages >= 2, "the loop waits for tile t while tile t+kStages-1 is issued");
+  static_assert(kXBytes % 1024 == 0 && kStageBytes % 1024 == 0 && kStageOff % 1024 == 0,
+                "every stage's x tile starts on a 1 KB swizzle atom");
+  static_assert(kUnitBytes % 16 == 0, "16 B cp.async");
+  static_assert(kStages >= 3, "tile t + kStages - 2 is issued while tile t is computed");
   static_assert(kBytes <= 227 * 1024, "fits one SM's shared memory");
 };
 
@@ -229,33 +228,28 @@ __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint
       a0[s] = hmul2<T>(dec.pair(q0, s, lut_addr, table), s0);
       a1[s] = hmul2<T>(dec.pair(q1, s, lut_addr, table), s1);
     }
-    A[qp][0][0] = a0[0]; A[qp][0][1] = a1[0]; A[qp][0][2] = a0[1]; A[qp][0][3] = a1[1];
-    A[qp][1][0] = a0[2]; A[qp][1][1] = a1[2]; A[qp][1][2] = a0[3]; A[qp][1][3] = a1[3];
-  }
-}
-
-// x, one item = one row's 32-block (4 x 16 B, loaded to registers) -> the permuted, swizzled
-// tile wgmma reads (row r at r * 128 B, 16 B chunk c at c ^ (r & 7): the 128 B swizzle; the
-// slot order is kbit_decode.cuh's). Rows past M and k past K load as zeros.
-template <typename T>
-__device__ __forceinline__ void load_x_item(const Params& p, int row, int k0, uint4 (&c)[4]) {
-  const bool ok = row < p.m && k0 < p.k;
-  const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + (long long)row * p.k + k0);
+    // The pairs come in the decoder's k order (kbit_decode.cuh): pair s of this lane holds, for
+    // K = 3..5, k = (2t + s', 16 + 2t + s') with s = 2 j + s' covering k = 8 j + ..., and for K = 2
+    // (crumb pairs) k = (16 j + 2t + s', 16 j + 8 + 2t + s'). One PRMT per register regroups
+    // them into the m16n8k16 A fragment of natural k (k16 step, then k = 2t, 2t+1 / 2t+8, 2t+9),
+    // so x is used as stored: a plain cp.async of its rows, no permutation pass.
+    constexpr bool kCrumb = PairTable<BITS>::kCrumbPairs;
+    const uint32_t a[2][4] = {{a0[0], a0[1], a0[2], a0[3]}, {a1[0], a1[1], a1[2], a1[3]}};
 #pragma unroll
-  for (int j = 0; j < 4; ++j) c[j] = ok ? __ldg(src + j) : make_uint4(0u, 0u, 0u, 0u);
-}
-template <int BITS>
-__device__ __forceinline__ void store_x_item(uint32_t dst, int r, int kb, const uint4 (&c)[4]) {
-  constexpr bool kCrumb = PairTable<BITS>::kCrumbPairs;
-  // K=3..5: out0/out1 = low/high halves of (c0, c2), out2/out3 of (c1, c3); K=2: (c0, c1), (c2, c3)
-  const uint4 a0 = c[0], b0 = kCrumb ? c[1] : c[2], a1 = kCrumb ? c[2] : c[1], b1 = c[3];
-  const auto mix = [](const uint4& a, const uint4& b, uint32_t sel) {
-    return make_uint4(prmt(a.x, b.x, sel), prmt(a.y, b.y, sel), prmt(a.z, b.z, sel), prmt(a.w, b.w, sel));
-  };
-  sts_v4(dst + r * 128 + (((4 * kb + 0) ^ (r & 7)) << 4), mix(a0, b0, 0x5410));
-  sts_v4(dst + r * 128 + (((4 * kb + 1) ^ (r & 7)) << 4), mix(a0, b0, 0x7632));
-  sts_v4(dst + r * 128 + (((4 * kb + 2) ^ (r & 7)) << 4), mix(a1, b1, 0x5410));
-  sts_v4(dst + r * 128 + (((4 * kb + 3) ^ (r & 7)) << 4), mix(a1, b1, 0x7632));
+    for (int r = 0; r < 2; ++r) {  // rows g (fragment registers 0, 2) and g + 8 (1, 3)
+      if constexpr (kCrumb) {
+        A[qp][0][r] = prmt(a[r][0], a[r][1], 0x5410);
+        A[qp][0][2 + r] = prmt(a[r][0], a[r][1], 0x7632);
+        A[qp][1][r] = prmt(a[r][2], a[r][3], 0x5410);
+        A[qp][1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
+      } else {
+        A[qp][0][r] = prmt(a[r][0], a[r][1], 0x5410);
+        A[qp][0][2 + r] = prmt(a[r][2], a[r][3], 0x5410);
+        A[qp][1][r] = prmt(a[r][0], a[r][1], 0x7632);
+        A[qp][1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
+      }
+    }
+  }
 }
 
 template <int BITS, int MT, int CN, typename T>
@@ -283,35 +277,31 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(c
                                                 reinterpret_cast<uint32_t*>(smem + C::kLutOff), tid, kThreads);
   const uint32_t lut_addr = opaque(base + C::kLutOff + 4u * lane);
 
-  // W of K-tile i -> stage i % kStages, one warp per slab (cp.async, 16 B per lane)
-  const auto issue_w = [&](int i) {
-    if (i < nt && (!C::kSplitRows || wg == 0)) {
+  // K-tile i -> stage i % kStages: x rows m0.. as stored (16 B chunks into the 128 B swizzle,
+  // zeros past M and K), and W, one warp per slab (16 B per lane)
+  const auto issue = [&](int i) {
+    if (i < nt) {
       const int ku = ku_begin + i;
-      const uint32_t wd = base + C::kStageOff + (i % C::kStages) * C::kStageBytes + slab * C::kUnitBytes;
-      const long long unit = (long long)(slab_ok ? nu : 0) * p.ku_count + ku;
-      const uint8_t* ws = reinterpret_cast<const uint8_t*>(p.packed + unit * unit_words(BITS));
+      const uint32_t st = base + C::kStageOff + (i % C::kStages) * C::kStageBytes;
+#ifndef KBIT_WG_DEV_NOX
+      const T* x = static_cast<const T*>(p.x);
 #pragma unroll
-      for (int b = 0; b < BITS; ++b) cp_async16(wd + b * 512 + lane * 16, ws + b * 512 + lane * 16, slab_ok);
-      if (lane < 8) cp_async16(wd + BITS * 512 + lane * 16, p.absmax + unit * kUnitAbsmaxBytes + lane * 16, slab_ok);
+      for (int c = tid; c < C::kXChunks; c += kThreads) {
+        const int r = c >> 3, j = c & 7, row = m0 + r, k = ku * kUnitK + 8 * j;
+        const bool ok = row < p.m && k < p.k;  // K % 32 == 0: a chunk is wholly in or out
+        cp_async16(st + r * 128 + ((j ^ (r & 7)) << 4), ok ? x + (long long)row * p.k + k : x, ok);
+      }
+#endif
+      if (!C::kSplitRows || wg == 0) {
+        const uint32_t wd = st + C::kXBytes + slab * C::kUnitBytes;
+        const long long unit = (long long)(slab_ok ? nu : 0) * p.ku_count + ku;
+        const uint8_t* ws = reinterpret_cast<const uint8_t*>(p.packed + unit * unit_words(BITS));
+#pragma unroll
+        for (int b = 0; b < BITS; ++b) cp_async16(wd + b * 512 + lane * 16, ws + b * 512 + lane * 16, slab_ok);
+        if (lane < 8) cp_async16(wd + BITS * 512 + lane * 16, p.absmax + unit * kUnitAbsmaxBytes + lane * 16, slab_ok);
+      }
     }
     cp_async_commit();  // empty groups too: the wait counts below stay uniform
-  };
-  // x of K-tile i: thread group q = tid / (2 MT) takes the tiles i = q mod kXGroups and holds
-  // item (row, block) = (tid % 2MT) / 2, tid % 2 of its next tile in registers, loaded
-  // kXGroups iterations ahead (x comes from L2; at MT = 16 that is four iterations of lead)
-  const int xq = tid / C::kXItems, x_r = (tid % C::kXItems) >> 1, x_kb = tid & 1;
-  uint4 xr[4];
-  const auto load_x = [&](int i) {
-#ifdef KBIT_WG_DEV_NOX
-    return;
-#endif
-    if (i < nt) load_x_item<T>(p, m0 + x_r, (ku_begin + i) * kUnitK + kBlock * x_kb, xr);
-  };
-  const auto store_x = [&](int i) {
-#ifdef KBIT_WG_DEV_NOX
-    return;
-#endif
-    if (i < nt) store_x_item<BITS>(base + C::kPermOff + (i % C::kPerm) * C::kXBytes, x_r, x_kb, xr);
   };
 
   float acc[kSets][MT / 2];
@@ -321,27 +311,19 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(c
     for (int i = 0; i < MT / 2; ++i) acc[r][i] = 0.f;
 
 #pragma unroll
-  for (int i = 0; i < C::kStages - 1; ++i) issue_w(i);
-  load_x(xq);
-  if (xq == 0) {
-    store_x(0);
-    load_x(C::kXGroups);
-  }
-  fence_proxy_async();
+  for (int i = 0; i < C::kLead; ++i) issue(i);
 
   // two A buffers: block b+1 decodes while block b multiplies (<= 255 registers, no spills)
   uint32_t A[2][kSets][2][4];
   for (int t = 0; t < nt; ++t) {
-    cp_async_wait<C::kStages - 2>();  // this thread's W copies of tile t
-    __syncthreads();  // everyone's: W of t, permuted x of t (and, at t = 0, the codebook table)
-    if ((t + 1) % C::kXGroups == xq) {  // x of t+1: registers -> permuted tile (t-2's slot: done)
-      store_x(t + 1);
-      load_x(t + 1 + C::kXGroups);
-    }
-    fence_proxy_async();
-    issue_w(t + C::kStages - 1);  // into t-1's stage: every warp has read it (barrier above)
+    cp_async_wait<C::kLead - 1>();  // this thread's copies of tile t
+    fence_proxy_async();            // cp.async wrote x through the generic proxy; wgmma reads it async
+    __syncthreads();  // everyone's: x and W of t (and, at t = 0, the codebook table); and every
+                      // warp is past iteration t - 1, whose wgmma.wait retired tile t - 2's reads
+    issue(t + C::kLead);  // into tile t - 2's stage
     // this lane's plane words and absmax codes of the unit: words w = 2 kb + h
-    const uint32_t wst = base + C::kStageOff + (t % C::kStages) * C::kStageBytes + slab * C::kUnitBytes;
+    const uint32_t xt = base + C::kStageOff + (t % C::kStages) * C::kStageBytes;
+    const uint32_t wst = xt + C::kXBytes + slab * C::kUnitBytes;
     uint32_t pw[2][C::kHalves][BITS], codes[2][C::kHalves];
     if constexpr (!C::kSplitRows) {
       uint4 w[BITS];
@@ -362,7 +344,6 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(c
         codes[kb][0] = lds_u32(wst + BITS * 512 + g * 16 + (2 * kb + wg) * 4);
       }
     }
-    const uint32_t xt = base + C::kPermOff + (t % C::kPerm) * C::kXBytes;
 #pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
       uint32_t(&Ab)[kSets][2][4] = A[kb];
