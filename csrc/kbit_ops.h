@@ -31,8 +31,8 @@ constexpr int kGemvMaxM = 16;
 // benchmarks/bench_gemm.py, 2026-11-21, results in benchmarks/results/):
 //   M <= gemv_max_m(bits)                    GEMV (faster than the mma kernel at every M <= 16),
 //     except layers with a 64-column slab per SM at 8 < M <= 16 on Hopper: wgmma (below);
-//   gemv_max_m < M <= wgmma_max_m(bits)      on Hopper builds with sm_90a: the wgmma kernel
-//                                            (wgmma_max_m = dequant_min_m - 1);
+//   gemv_max_m < M <= wgmma_max_m(bits)      on Hopper builds with sm_90a: the wgmma kernel,
+//                                            then dequantize + cuBLAS (below);
 //   else M < dequant_min_m(bits)             the mma.sync tensor-core kernel (other GPUs);
 //   M >= dequant_min_m(bits)                 dequantize row chunks to scratch + cuBLAS. At K=4,
 //     M = 256 the mma kernel wins on all six benchmark shapes (by 1.05-1.9x), at M = 512 each
@@ -93,16 +93,17 @@ cudaError_t launch_mma(DType dtype, const void* x, const uint32_t* packed, const
                        int n, int k, int bits, int num_sms, cudaStream_t stream);
 size_t mma_workspace_bytes(int m, int n, int k, int bits, int num_sms);
 
-// wgmma kernel (Hopper, sm_90a; kbit_wgmma.cuh) for gemv_max_m < M <= wgmma_max_m(bits), i.e. up
-// to dequant_min_m: in a CUDA graph of all the linear layers of a Llama-3-8B step
-// (bench_decode.py --kbit-paths wgmma:0,mma:0,dequant:0, H200, K=4, 2026-11-21) it takes
-// 3313 / 4451 / 6619 / 12097 us at M = 32 / 64 / 128 / 256 against the mma.sync kernel's
-// 4242 / 6002 / 8368 / 13986 and dequantize + cuBLAS's 13270 / 13265 / 13987 / 15324; at
-// M = 512 dequantize + cuBLAS and wgmma tie (20827 / 20919 us, mma.sync 26174).
+// wgmma kernel (Hopper, sm_90a; kbit_wgmma.cuh) for gemv_max_m < M <= wgmma_max_m(bits): in a CUDA
+// graph of all the linear layers of a Llama-3-8B step (bench_decode.py --kbit-paths
+// wgmma:0,mma:0,dequant:0, H200, K=4, 2026-11-21) it took 3313 / 4451 / 6619 / 12097 us at
+// M = 32 / 64 / 128 / 256 against the mma.sync kernel's 4242 / 6002 / 8368 / 13986 and
+// dequantize + cuBLAS's 13270 / 13265 / 13987 / 15324 (K = 2 and 5 likewise at M = 32..256);
+// after x went straight to shared memory (9cb0021) 17505 us at M = 512 against dequantize +
+// cuBLAS's 20373, and 32233 against 30827 at M = 1024. So wgmma up to 1023 rows.
 // wgmma_supported(): this build has sm_90a code and the current device is compute 9.0.
 // `splits` = 0 picks the split-K factor (a thread-block cluster along K, no workspace);
 // 1..8 forces it. Returns cudaErrorNotSupported where wgmma_supported() is false.
-constexpr int kWgmmaMaxM = kDequantMinM - 1;
+constexpr int kWgmmaMaxM = 1023;
 inline int wgmma_max_m(int /*bits*/) { return kWgmmaMaxM; }
 // Between 8 < M <= 16 the GEMV runs two n8 tiles of x at ~230 registers (one CTA per SM), and
 // on wide layers (at least one 64-column slab per SM) the wgmma kernel is faster: in a CUDA

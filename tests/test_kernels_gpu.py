@@ -201,15 +201,16 @@ def test_auto_dispatch_thresholds(bits):
     g, d = torch.ops.kbit.gemv_max_m(bits), torch.ops.kbit.dequant_min_m(bits)
     wg = torch.ops.kbit.has_wgmma()
     expect = [(1, narrow, PATH_GEMV), (8, wide, PATH_GEMV), (9, narrow, PATH_GEMV), (g, narrow, PATH_GEMV),
-              (9, wide, PATH_WGMMA if wg else PATH_GEMV), (g, wide, PATH_WGMMA if wg else PATH_GEMV),
-              (d, narrow, PATH_DEQUANT)]
-    mid = g + 1  # first M past the GEMV: wgmma on Hopper builds with 9.0a, else the mma.sync kernel
-    if wg:
+              (9, wide, PATH_WGMMA if wg else PATH_GEMV), (g, wide, PATH_WGMMA if wg else PATH_GEMV)]
+    if wg:  # Hopper builds with 9.0a: wgmma from the GEMV limit to wgmma_max_m, then dequantize + cuBLAS
         w = torch.ops.kbit.wgmma_max_m(bits)
-        expect += [(g + 1, narrow, PATH_WGMMA), (w, narrow, PATH_WGMMA)]
-        mid = w + 1
-    if torch.ops.kbit.has_mma() and mid < d:  # wgmma may reach up to the dequantize path
-        expect += [(mid, narrow, PATH_MMA), (d - 1, narrow, PATH_MMA)]
+        assert w + 1 >= d
+        expect += [(g + 1, narrow, PATH_WGMMA), (d, narrow, PATH_WGMMA), (w, narrow, PATH_WGMMA),
+                   (w + 1, narrow, PATH_DEQUANT)]
+    else:  # elsewhere the mma.sync kernel up to dequant_min_m
+        expect += [(d, narrow, PATH_DEQUANT)]
+        if torch.ops.kbit.has_mma():
+            expect += [(g + 1, narrow, PATH_MMA), (d - 1, narrow, PATH_MMA)]
     cases = {}
     for m, n, path in expect:
         assert torch.ops.kbit.auto_path(m, n, bits) == path, (m, n)
