@@ -94,13 +94,13 @@ def test_deterministic(m, n, k, bits, dtype):
 
 
 def test_auto_path_matches_forced():
-    # kbit::gemm's own dispatch gives the same bits as the forced MMA path between the GEMV
-    # limit and the dequantize + cuBLAS threshold.
+    # kbit::gemm's own dispatch gives the same bits as the forced MMA path where it names that
+    # path (between the GEMV limit and the dequantize + cuBLAS threshold, on builds without wgmma).
     m, n, k, bits = 100, 1000, 2048, 4
     packed, absmax, cb, w = weight(n, k, bits)
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    if not torch.ops.kbit.gemv_max_m(bits) < m < torch.ops.kbit.dequant_min_m(bits):
-        pytest.skip("another path serves this M")
+    if torch.ops.kbit.auto_path(m, n, bits) != MMA_PATH:
+        pytest.skip("another path serves this M here (the wgmma kernel on Hopper builds)")
     y_auto = torch.ops.kbit.gemm(x, packed, absmax, cb, bits, n, k, None)
     y_mma = run(x, packed, absmax, cb, bits, n, k)
     assert torch.equal(y_auto, y_mma)
