@@ -36,13 +36,14 @@
 //     codes per shift; the 16 is applied once in the epilogue.
 //
 // Where it stands (benchmarks/results, H200): K=4, M=1 at 0.68-0.92x Marlin g128's time on the
-// six benchmark shapes (L2 flushed, up to 72% of the copy bandwidth); the GEMMs of an 8B decode
-// step in one CUDA graph take 1702 us at M=1 against Marlin's 2145 (bench_decode.py). What got
-// it there: K=4's layout stores the nibble words (no transpose here), 16-warp CTAs where the
-// grid has at most one CTA per SM, one-wave split-K. At 8 < M <= 16 layers with a slab per SM go
-// to the wgmma kernel (kbit_ops.h); the others stay here at ~220 registers, one CTA per SM.
-// Next: wave quantization on wide layers (28672x4096 is 448 CTAs on 264 slots: 1.7 waves) wants
-// a persistent or stream-K split; K=3/5 still transpose planes; M = 9..16 registers.
+// six benchmark shapes (L2 flushed, up to 73% of the copy bandwidth); the GEMMs of an 8B decode
+// step in one CUDA graph take 1635-1666 us at M=1 against Marlin's 2145 (bench_decode.py). What
+// got it there: K=4's layout stores the nibble words (no transpose here), 16-warp CTAs where
+// the grid has at most one CTA per SM, one-wave split-K, 4-warp CTAs where the slabs fit four
+// per SM (28672x4096: 24.7 -> 23.3 us in the graph). At 8 < M <= 16 layers with a slab per SM
+// go to the wgmma kernel (kbit_ops.h); the others stay here at ~220 registers, one CTA per SM.
+// Next: the ~5 us fixed cost per call (fill, table, reduction) on the small layers; K=3/5 still
+// transpose planes; M = 9..16 registers.
 // Tried and not adopted (same-run A/B, H200): issuing the first unit loads before building the
 // codebook table, at every M (2b7449f's predecessor: +0.5-1.5% at M = 1, 4, -2-5% at M = 16)
 // and at M <= 8 only (decode step at M = 1, 4, 8: within +-1%, 2% slower at M = 8).
