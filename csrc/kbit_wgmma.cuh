@@ -114,10 +114,7 @@ __device__ __forceinline__ uint4 lds_v4(uint32_t addr) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
   return r;
 }
-__device__ __forceinline__ void sts_v4(uint32_t addr, const uint4& v) {
-  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-}
-// Generic-proxy stores (the x permutation) become visible to wgmma's async-proxy reads only
+// Generic-proxy writes (cp.async of x) become visible to wgmma's async-proxy reads only
 // through this fence (then a barrier for the other threads).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -525,25 +522,24 @@ cudaError_t launch_t(const Params& p, int splits, bool spread, cudaStream_t stre
 //   * clusters that cannot all be resident at once run in a second wave: 32 clusters of 8
 //     (256 CTAs for 264 two-per-SM slots) took 179 us against 111 for 32 clusters of 7. The
 //     occupancy API's count of resident clusters says when.
-struct SplitChoice {
-  int splits;
-  bool spread;
-};
-inline SplitChoice choose_splits(long long tiles, int ku, int num_sms, const Occupancy& occ) {
+// A grid of `ctas` that can launch spread: an SM could hold more than one, and the grid fits one per SM.
+inline bool fits_spread(const Occupancy& occ, long long ctas, int num_sms) { return occ.per_sm > 1 && ctas <= num_sms; }
+
+inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& occ) {
   constexpr int kAlone = 10, kShared = 17, kFixed = 3 * kAlone;
-  SplitChoice best = {1, false};
+  int best = 1;
   long long best_cost = -1;
   for (int s = 1; s <= kMaxSplits && s <= ku; ++s) {
     if (s > 1 && div_up(ku, s) < 2) break;  // at least two K-tiles per CTA
     const long long ctas = tiles * s;
-    const bool spread = occ.per_sm > 1 && ctas <= num_sms;
+    const bool spread = fits_spread(occ, ctas, num_sms);
     const int resident = occ.clusters[s][spread] > 0 ? occ.clusters[s][spread]
                                                      : num_sms * (spread ? 1 : occ.per_sm) / s;
     const long long waves = div_up(tiles, (long long)(resident > 0 ? resident : 1));
     const long long per_sm = div_up(ctas, (long long)num_sms);  // CTAs on the busiest SM (one wave)
     const long long busiest = spread ? 1 : per_sm < occ.per_sm ? per_sm : occ.per_sm;
     const long long cost = waves * (div_up(ku, s) * (busiest >= 2 ? kShared : kAlone) + kFixed);
-    if (best_cost < 0 || cost < best_cost) best = {s, spread}, best_cost = cost;
+    if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
   }
   return best;
 }
@@ -587,15 +583,15 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
     cn = 512;
   } else if (mt >= 32 && mt <= 64 && force_wide != 0) {
     const int gy_w = div_up(n_units(p.n), 512 / kUnitN);
-    if (choose_splits((long long)gy_w * gz, p.ku_count, num_sms, occupancy_for<BITS, T>(mt, 512)).splits <= 2) cn = 512;
+    if (choose_splits((long long)gy_w * gz, p.ku_count, num_sms, occupancy_for<BITS, T>(mt, 512)) <= 2) cn = 512;
   }
   const int gy = div_up(n_units(p.n), cn / kUnitN);
   const Occupancy& occ = occupancy_for<BITS, T>(mt, cn);
-  int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, num_sms, occ).splits;
+  int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, num_sms, occ);
   s = s < 1 ? 1 : s > kMaxSplits ? kMaxSplits : s > p.ku_count ? p.ku_count : s;
   p.chunk = div_up(p.ku_count, s);
   s = div_up(p.ku_count, p.chunk);  // no empty CTA
-  const bool spread = occ.per_sm > 1 && (long long)gy * gz * s <= num_sms && env_int("KBIT_WGMMA_SPREAD", 1) != 0;
+  const bool spread = fits_spread(occ, (long long)gy * gz * s, num_sms) && env_int("KBIT_WGMMA_SPREAD", 1) != 0;
   out[0] = mt; out[1] = s; out[2] = s; out[3] = gy; out[4] = gz; out[5] = cn; out[6] = spread ? 1 : occ.per_sm;
 }
 
