@@ -132,6 +132,34 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// mbarrier (sm_80+): a shared-memory barrier object completing a phase when `count` arrivals
+// (and, sm_90, the transaction bytes announced with expect_tx) have happened. Used where a
+// stage is handed between producers and consumers without a CTA-wide __syncthreads.
+__device__ __forceinline__ void mbar_init(uint32_t addr, uint32_t count) {
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(addr), "r"(count));
+}
+// Spins until the phase of parity `parity` has completed; on sm_90 try_wait lets the warp
+// sleep inside the instruction for a while instead of re-issuing a poll every cycle.
+__device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      "WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(addr),
+      "r"(parity)
+      : "memory");
+#else
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      "WAIT_%=:\n"
+      " mbarrier.test_wait.parity.shared.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(addr),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
 // Programmatic dependent launch (sm_90). The GEMM kernels are launched with
 // cudaLaunchAttributeProgrammaticStreamSerialization, so their CTAs may be scheduled (shared
 // memory and registers allocated, launch latency paid) while the previous kernel on the stream

@@ -93,10 +93,7 @@ constexpr size_t kMaxPartialBytes = size_t(64) << 20;  // split-K workspace cap 
 // that every thread's cp.async completion arrives on, and an "empty" one each warp arrives on
 // when it is done reading the stage. Warps then drift within the prefetch window instead of
 // meeting at a __syncthreads every K-tile (with 2 warps per scheduler, that barrier and the
-// dequant prologue behind it left the tensor pipe idle). test_wait (sm_80+) in a spin loop.
-__device__ __forceinline__ void mbar_init(uint32_t addr, uint32_t count) {
-  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(addr), "r"(count));
-}
+// dequant prologue behind it left the tensor pipe idle). mbar_init / mbar_wait: kbit_common.cuh.
 // Arrives on the barrier once all of this thread's earlier cp.async have landed; .noinc: the
 // arrival is one of the `count` the barrier was initialised with.
 __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t addr) {
@@ -104,15 +101,6 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t addr) {
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t addr) {
   asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(addr) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n"
-      "WAIT_%=:\n"
-      " mbarrier.test_wait.parity.shared.b64 p, [%0], %1;\n"
-      " @!p bra WAIT_%=;\n}\n" ::"r"(addr),
-      "r"(parity)
-      : "memory");
 }
 
 // ldmatrix.x4: the four 8x8 b16 matrices of an m16k16 A fragment in one instruction (lanes

@@ -118,9 +118,10 @@ bool wgmma_supported();
 cudaError_t launch_wgmma(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,
                          const float* codebook, const void* bias, void* y, int m, int n, int k, int bits,
                          int num_sms, cudaStream_t stream, int splits = 0);
-// The launch plan for tests and benchmarks: out = [tile_m, splits, grid x, grid y, grid z,
-// columns per CTA, CTAs per SM the launch allows (1: launched with the shared memory of half an
-// SM so the cluster scheduler cannot pack two CTAs on one SM)].
+// The launch plan for tests and benchmarks: out = [tile_m, splits, grid x (splits), grid y
+// (token tiles), grid z (column groups), columns per CTA, CTAs per SM the launch allows (1:
+// launched with the shared memory of half an SM so the cluster scheduler cannot pack two CTAs
+// on one SM)].
 void wgmma_plan_info(DType dtype, int m, int n, int k, int bits, int num_sms, int splits, int* out);
 
 // Tiled layout -> row-major W rows [n_begin, n_end) into w[(n_end - n_begin), K] (fp16/bf16/fp32),

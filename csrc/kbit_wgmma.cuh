@@ -20,20 +20,23 @@
 //     2 k16 steps) into two alternating A buffers: block b+1 decodes while block b multiplies
 //     (wgmma.wait_group 1).
 //   * x is used as stored: the decoder's pairs come in a permuted k order (kbit_decode.cuh), and
-//     one PRMT per A register regroups them into natural k, so x rows go to shared memory by
-//     plain 16-byte cp.async into the 128 B-swizzled K-major tile wgmma's descriptor describes,
-//     in the same stage as W. (Before: x through registers, permuted, stored by the threads;
-//     a probe build without that x path was 35-45 us faster on 57344x8192, docs/MMA.md.)
-//   * W: each warp cp.asyncs its own unit per K-tile (no CTA-wide data), as many stages deep as
-//     shared memory allows (the DRAM stream), and each lane reads back only its own 16 B per
-//     plane (conflict-free LDS.128).
-//   * one __syncthreads per K-tile (x and W of tile t landed and fenced for the async proxy).
+//     one PRMT per A register regroups them into natural k, so x goes to shared memory as
+//     stored, by TMA (a 2-D tensor map of x, box MT rows x 64 k) straight into the 128 B
+//     swizzle wgmma's descriptor describes, in the same stage as W (bulk copies of the CTA's
+//     units). One thread issues a stage; its bytes complete the stage's mbarrier. (cp.async by
+//     every thread, before: each SM moved only ~35-40 GB/s from L2, and the x and W loads took
+//     62% of the time of a 57344x8192 M=256 call even with no decode and no wgmma, docs/MMA.md.)
+//   * each lane reads back only its own 16 B per plane of its warp's unit (conflict-free LDS.128).
+//   * per K-tile: every thread waits for the stage's mbarrier, then one __syncthreads (every
+//     warp is past the previous tile, so the stage two tiles back may be refilled).
 //   * split-K across a thread-block cluster (<= 8 CTAs along K), reduced through distributed
 //     shared memory in a fixed order: deterministic, no workspace, one launch (graph safe).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda.h>  // CUtensorMap and its enums (the encoder is fetched from the driver at run time)
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -61,6 +64,11 @@ namespace wg {
 constexpr int kSlabs = 4;               // one 64-column layout slab per warp of a warpgroup
 constexpr int kMaxSplits = 8;           // portable cluster size
 constexpr int kPlanInts = 7;            // wgmma_plan_info's out[] (kbit_ops.h)
+// Grid (splits, token tiles, column groups): the token tiles of one column group are launched
+// next to each other, so the W they share is read from DRAM once and from L2 after (0-7% faster
+// at M = 128..512 than column groups first, wgmma_dev.py, H200).
+__device__ __forceinline__ int token_tile() { return blockIdx.y; }
+__device__ __forceinline__ int col_group() { return blockIdx.z; }
 
 using Params = StreamParams;  // kbit_common.cuh
 
@@ -79,7 +87,6 @@ template <int BITS, int MT, int CN> struct Cfg {
   static constexpr int kHalves = kSplitRows ? 1 : 2;        // plane words h a warp decodes per block
   static constexpr int kUnitBytes = BITS * 512 + kUnitAbsmaxBytes;  // one layout unit
   static constexpr int kXBytes = MT * 128;    // MT rows x 64 k x 2 B; a multiple of the 1 KB swizzle atom
-  static constexpr int kXChunks = MT * 8;     // 16 B cp.async chunks of one x tile
   static constexpr int kWBytes = kSlabsCta * kUnitBytes;    // one K-tile of W (the slabs' units)
   static constexpr int kStageBytes = kXBytes + (kWBytes + 1023) / 1024 * 1024;  // x tile, then W (1 KB steps)
   static constexpr int kLutOff = 0;
@@ -99,10 +106,13 @@ template <int BITS, int MT, int CN> struct Cfg {
   static constexpr int kPipeBytes = kStageOff + kStages * kStageBytes;
   static constexpr int kAcc = kSets * MT / 2;               // fp32 accumulators per thread
   static constexpr int kRedBytes = kAcc * kThreads * 4;     // split-K partials, after the pipeline
-  static constexpr int kBytes = (kPipeBytes > kRedBytes ? kPipeBytes : kRedBytes) + 1024;  // + alignment
+  static constexpr int kBarCount = 1 + kSlabsCta;  // arrivals per phase: x's issuer, each slab's
+  static constexpr int kBarOff = kPipeBytes > kRedBytes ? kPipeBytes : kRedBytes;  // one mbarrier per stage
+  static constexpr int kBytes = kBarOff + 8 * kStages + 1024;  // + alignment
   static_assert(kXBytes % 1024 == 0 && kStageBytes % 1024 == 0 && kStageOff % 1024 == 0,
                 "every stage's x tile starts on a 1 KB swizzle atom");
-  static_assert(kUnitBytes % 16 == 0, "16 B cp.async");
+  static_assert(kUnitBytes % 16 == 0 && (BITS * 512) % 16 == 0, "bulk copies move 16 B multiples");
+  static_assert(kXBytes + kSlabsCta * kUnitBytes < (1 << 20), "a stage's bytes fit the mbarrier's tx count");
   static_assert(kStages >= 3, "tile t + kStages - 2 is issued while tile t is computed");
   static_assert(kBytes <= 227 * 1024, "fits one SM's shared memory");
 };
@@ -127,6 +137,25 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
 }
 
 #if KBIT_WGMMA_DEVICE
+// The stage's mbarrier expects `bytes` more (the copies below complete them) besides the one
+// arrival of the issuing thread.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// TMA: box (64 k, MT rows) of x at (k, row) -> the swizzled tile at `dst`; rows past M and k past
+// K arrive as zeros (the tensor map's bounds), so no predication and no padding of x.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int k, int row, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(bar)
+      : "memory");
+}
+// Contiguous global -> shared copy by the TMA unit (16 B multiples): a unit's planes, its absmax.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
 // Orders this thread's register writes (decoded A, zeroed accumulators) before the next wgmma.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -250,7 +279,8 @@ __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint
 }
 
 template <int BITS, int MT, int CN, typename T>
-__global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(const Params p) {
+__global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1)
+    wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap xmap) {
 #if KBIT_WGMMA_DEVICE
   using C = Cfg<BITS, MT, CN>;
   constexpr int kThreads = C::kThreads, kSets = C::kSets;
@@ -263,42 +293,53 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(c
   const int slab = C::kSplitRows ? (warp & 3) : warp, wg = warp >> 2;
   const int g = lane >> 2, t4 = lane & 3;
   const int split = blockIdx.x, splits = gridDim.x;
-  const int nu = blockIdx.y * C::kSlabsCta + slab;
+  const int nu = col_group() * C::kSlabsCta + slab;
   const bool slab_ok = nu < n_units(p.n);
-  const int m0 = blockIdx.z * MT;
+  const int m0 = token_tile() * MT;
   const int ku_begin = split * p.chunk;
   const int nt = max(0, min(p.ku_count, ku_begin + p.chunk) - ku_begin);
 
-  wait_prior_grids();  // programmatic dependent launch (kbit_common.cuh)
-  const uint32_t table = init_codebook<BITS, T>(p.codebook, codebook_mult<T>(),
-                                                reinterpret_cast<uint32_t*>(smem + C::kLutOff), tid, kThreads);
-  const uint32_t lut_addr = opaque(base + C::kLutOff + 4u * lane);
+  // one mbarrier per stage: thread 0's arrival plus the stage's TMA bytes complete a phase
+  const uint32_t bar0 = base + C::kBarOff;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < C::kStages; ++s) mbar_init(bar0 + 8 * s, C::kBarCount);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
+  }
+  wait_prior_grids();  // programmatic dependent launch (kbit_common.cuh): x may be the previous kernel's output
 
-  // K-tile i -> stage i % kStages: x rows m0.. as stored (16 B chunks into the 128 B swizzle,
-  // zeros past M and K), and W, one warp per slab (16 B per lane)
-  const auto issue = [&](int i) {
-    if (i < nt) {
-      const int ku = ku_begin + i;
-      const uint32_t st = base + C::kStageOff + (i % C::kStages) * C::kStageBytes;
+  // K-tile i -> stage i % kStages: thread 0 loads x rows m0.. as stored, zeros past M and K
+  // (TMA); lane 0 of each slab's warp its unit (a slab past N copies unit 0: read, never used).
+  // Measured against thread 0 issuing every unit's copies and against cp.async of W by the
+  // slab's warps (arriving on the same mbarrier): 2-5% faster at M = 64..256, equal at M = 16.
 #ifndef KBIT_WG_DEV_NOX
-      const T* x = static_cast<const T*>(p.x);
-#pragma unroll
-      for (int c = tid; c < C::kXChunks; c += kThreads) {
-        const int r = c >> 3, j = c & 7, row = m0 + r, k = ku * kUnitK + 8 * j;
-        const bool ok = row < p.m && k < p.k;  // K % 32 == 0: a chunk is wholly in or out
-        cp_async16(st + r * 128 + ((j ^ (r & 7)) << 4), ok ? x + (long long)row * p.k + k : x, ok);
-      }
+  constexpr uint32_t kXTx = C::kXBytes;
+#else
+  constexpr uint32_t kXTx = 0;
 #endif
-      if (!C::kSplitRows || wg == 0) {
-        const uint32_t wd = st + C::kXBytes + slab * C::kUnitBytes;
-        const long long unit = (long long)(slab_ok ? nu : 0) * p.ku_count + ku;
-        const uint8_t* ws = reinterpret_cast<const uint8_t*>(p.packed + unit * unit_words(BITS));
-#pragma unroll
-        for (int b = 0; b < BITS; ++b) cp_async16(wd + b * 512 + lane * 16, ws + b * 512 + lane * 16, slab_ok);
-        if (lane < 8) cp_async16(wd + BITS * 512 + lane * 16, p.absmax + unit * kUnitAbsmaxBytes + lane * 16, slab_ok);
-      }
+  const bool w_loader = !C::kSplitRows || wg == 0;  // the warps that load W (one slab each)
+  const auto issue = [&](int i) {
+    if (i >= nt) return;
+    const int ku = ku_begin + i;
+    const uint32_t st = base + C::kStageOff + (i % C::kStages) * C::kStageBytes;
+    const uint32_t bar = bar0 + 8 * (i % C::kStages);
+    const long long unit = (long long)(slab_ok ? nu : 0) * p.ku_count + ku;
+    const uint32_t wd = st + C::kXBytes + slab * C::kUnitBytes;
+    // the stage's previous generic-proxy reads (LDS of W) are ordered before the async writes
+    if (tid == 0) {
+      fence_proxy_async();
+      mbar_arrive_expect_tx(bar, kXTx);
+#ifndef KBIT_WG_DEV_NOX
+      tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
+#endif
     }
-    cp_async_commit();  // empty groups too: the wait counts below stay uniform
+    if (w_loader && lane == 0) {
+      fence_proxy_async();
+      mbar_arrive_expect_tx(bar, C::kUnitBytes);
+      bulk_load(wd, p.packed + unit * unit_words(BITS), BITS * 512, bar);
+      bulk_load(wd + BITS * 512, p.absmax + unit * kUnitAbsmaxBytes, kUnitAbsmaxBytes, bar);
+    }
   };
 
   float acc[kSets][MT / 2];
@@ -307,16 +348,23 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(c
 #pragma unroll
     for (int i = 0; i < MT / 2; ++i) acc[r][i] = 0.f;
 
+  __syncthreads();  // the barriers are initialised before anyone arrives or waits on them
 #pragma unroll
   for (int i = 0; i < C::kLead; ++i) issue(i);
+  // (published by the first iteration's __syncthreads)
+  const uint32_t table = init_codebook<BITS, T>(p.codebook, codebook_mult<T>(),
+                                                reinterpret_cast<uint32_t*>(smem + C::kLutOff), tid, kThreads);
+  const uint32_t lut_addr = opaque(base + C::kLutOff + 4u * lane);
 
   // two A buffers: block b+1 decodes while block b multiplies (<= 255 registers, no spills)
   uint32_t A[2][kSets][2][4];
   for (int t = 0; t < nt; ++t) {
-    cp_async_wait<C::kLead - 1>();  // this thread's copies of tile t
-    fence_proxy_async();            // cp.async wrote x through the generic proxy; wgmma reads it async
-    __syncthreads();  // everyone's: x and W of t (and, at t = 0, the codebook table); and every
-                      // warp is past iteration t - 1, whose wgmma.wait retired tile t - 2's reads
+    mbar_wait(bar0 + 8 * (t % C::kStages), (t / C::kStages) & 1);  // x and W of tile t have landed
+    // every warp is past iteration t - 1, whose wgmma.wait retired tile t - 2's reads: its
+    // stage may be refilled
+#ifndef KBIT_WG_DEV_NOSYNC  // probe only (wrong results): what the CTA-wide hand-off costs
+    __syncthreads();
+#endif
     issue(t + C::kLead);  // into tile t - 2's stage
     // this lane's plane words and absmax codes of the unit: words w = 2 kb + h
     const uint32_t xt = base + C::kStageOff + (t % C::kStages) * C::kStageBytes;
@@ -399,8 +447,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(c
   // `split` of the cluster sums its slice of the elements over all CTAs in rank order.
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
-  cp_async_wait<0>();
-  __syncthreads();  // pipeline smem is reused
+  __syncthreads();  // pipeline smem is reused (every issued copy was waited for in the loop)
   float* part = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int r = 0; r < kSets; ++r)
@@ -426,7 +473,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) wgmma_kernel(c
     for (int u = 0; u < 4; ++u) {
       const int th = E % kThreads + u, l_ = th & 31, pr = r + (C::kSplitRows ? 2 * (th >> 7) : 0);
       const int slab_ = C::kSplitRows ? ((th >> 5) & 3) : (th >> 5);
-      const int col = (blockIdx.y * C::kSlabsCta + slab_) * kUnitN + 16 * pr + 8 * (e >> 1) + (l_ >> 2);
+      const int col = (col_group() * C::kSlabsCta + slab_) * kUnitN + 16 * pr + 8 * (e >> 1) + (l_ >> 2);
       const int row = m0 + 8 * j + 2 * (l_ & 3) + (e & 1);
       if (col < p.n && row < p.m) {
         float o = vs[u];
@@ -486,15 +533,43 @@ template <int BITS, int MT, int CN, typename T> const Occupancy& occupancy() {
   return occ;
 }
 
+// x [M][K] as a TMA tensor map: boxes of 64 k (one 128 B swizzle row) x `mt` rows, zeros out of
+// bounds. Encoded per call on the host (a CUDA graph keeps the captured copy, as it keeps x's
+// address); the encoder comes from the driver through the runtime, so nothing links libcuda.
+template <typename T> cudaError_t make_x_map(const Params& p, int mt, CUtensorMap* map) {
+  using Encode = PFN_cuTensorMapEncodeTiled_v12000;
+  static const Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {cuuint64_t(p.k), cuuint64_t(p.m)};
+  const cuuint64_t strides[1] = {cuuint64_t(p.k) * sizeof(T)};  // K % 32 == 0: a 64 B multiple
+  const cuuint32_t box[2] = {cuuint32_t(kUnitK), cuuint32_t(mt)};
+  const cuuint32_t unit_stride[2] = {1, 1};
+  const CUresult r = encode(map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                            2, const_cast<void*>(p.x), dims, strides, box, unit_stride, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 // Launch one instantiation with `splits` (1..kMaxSplits) CTAs per cluster along K; `spread`:
 // with spread_bytes of shared memory, so that no SM takes two CTAs.
 template <int BITS, int MT, int CN, typename T>
 cudaError_t launch_t(const Params& p, int splits, bool spread, cudaStream_t stream) {
+  alignas(64) CUtensorMap xmap;
+  const cudaError_t e = make_x_map<T>(p, MT, &xmap);
+  if (e != cudaSuccess) return e;
   using C = Cfg<BITS, MT, CN>;
   const auto kernel = wgmma_kernel<BITS, MT, CN, T>;
   const Occupancy& occ = occupancy<BITS, MT, CN, T>();  // and the shared-memory opt-in (once)
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(splits, div_up(n_units(p.n), C::kSlabsCta), div_up(p.m, MT));
+  const unsigned gy = div_up(n_units(p.n), C::kSlabsCta), gz = div_up(p.m, MT);
+  cfg.gridDim = dim3(splits, gz, gy);  // token tiles first (col_group)
   cfg.blockDim = dim3(C::kThreads, 1, 1);
   cfg.dynamicSmemBytes = spread ? occ.spread_bytes : C::kBytes;
   cfg.stream = stream;
@@ -507,7 +582,7 @@ cudaError_t launch_t(const Params& p, int splits, bool spread, cudaStream_t stre
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.pdl ? 2 : 1;
-  return cudaLaunchKernelEx(&cfg, kernel, p);
+  return cudaLaunchKernelEx(&cfg, kernel, p, xmap);
 }
 
 // Split-K factor from the shape and the occupancy: the fewest waves x CTA time, a CTA's time
@@ -557,8 +632,8 @@ inline int tile_m(int m) {
   return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
 }
 
-// The plan of one call: [tile_m, splits, grid x (splits), grid y (column groups), grid z
-// (token tiles), columns per CTA, CTAs per SM the launch allows (1 when spread)]. `splits` > 0
+// The plan of one call: [tile_m, splits, grid x (splits), grid y (token tiles), grid z
+// (column groups), columns per CTA, CTAs per SM the launch allows (1 when spread)]. `splits` > 0
 // forces the split factor (clamped to 1..min(8, K-tiles)).
 template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn) {
   if (cn == 512)
@@ -592,7 +667,7 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
   p.chunk = div_up(p.ku_count, s);
   s = div_up(p.ku_count, p.chunk);  // no empty CTA
   const bool spread = fits_spread(occ, (long long)gy * gz * s, num_sms) && env_int("KBIT_WGMMA_SPREAD", 1) != 0;
-  out[0] = mt; out[1] = s; out[2] = s; out[3] = gy; out[4] = gz; out[5] = cn; out[6] = spread ? 1 : occ.per_sm;
+  out[0] = mt; out[1] = s; out[2] = s; out[3] = gz; out[4] = gy; out[5] = cn; out[6] = spread ? 1 : occ.per_sm;
 }
 
 template <int BITS, typename T>

@@ -16,13 +16,22 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = [(57344, 8192), (8192, 28672), (4096, 4096)]
 MS = [16, 64, 128]
+if os.environ.get("WGDEV_SHAPES"):  # e.g. "57344x8192,4096x14336"
+    SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["WGDEV_SHAPES"].split(",")]
+if os.environ.get("WGDEV_MS"):  # e.g. "64,128,256"
+    MS = [int(v) for v in os.environ["WGDEV_MS"].split(",")]
 if os.environ.get("WGDEV_ONLY"):  # e.g. "57344x8192:64" (one case, for ncu)
     _s, _m = os.environ["WGDEV_ONLY"].split(":")
     SHAPES, MS = [tuple(int(v) for v in _s.split("x"))], [int(_m)]
 
 
 def build(variant):
-    flags = [] if variant == "base" else [f"-DKBIT_WG_DEV_{f}" for f in variant.split(",")]
+    # "OLD" / "OLD,FLAG..": the tree in $WGDEV_OLD_TREE (a copy of an earlier csrc/ and scripts/wgmma_capi.cu)
+    root = ROOT
+    if variant.split(",")[0] == "OLD":
+        root = os.environ.get("WGDEV_OLD_TREE", os.path.join(ROOT, "scripts/old_tree"))
+    fl = [f for f in variant.split(",") if f not in ("base", "OLD")]
+    flags = [f"-DKBIT_WG_DEV_{f}" for f in fl]
     out = f"/tmp/wgdev/{variant.replace(',', '_').replace('=', '')}"
     os.makedirs(out, exist_ok=True)
     common = ["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-DKBIT_HAS_SM90A", "-O3", "-std=c++17",
@@ -30,7 +39,7 @@ def build(variant):
     objs = []
     for src in ("csrc/kbit_wgmma.cu", "csrc/generated/wgmma_k4.cu", "scripts/wgmma_capi.cu"):
         o = os.path.join(out, os.path.basename(src) + ".o")
-        r = subprocess.run([*common, "-c", src, "-o", o], cwd=ROOT, capture_output=True, text=True)
+        r = subprocess.run([*common, "-c", src, "-o", o], cwd=root, capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"{variant}: {src}: {r.stderr[-2000:]}")
         objs.append(o)
@@ -86,7 +95,12 @@ def main():
         libs = dict(ex.map(build, variants))
     table = {}
     for v, lib in libs.items():
-        r = subprocess.run([sys.executable, __file__, "--one", v, lib], capture_output=True, text=True)
+        try:  # a variant that hangs (a broken hand-off) must not take the whole call with it
+            r = subprocess.run([sys.executable, __file__, "--one", v, lib], capture_output=True, text=True,
+                               timeout=float(os.environ.get("WGDEV_TIMEOUT", "90")))
+        except subprocess.TimeoutExpired as e:
+            print(f"{v}: timed out\n{str(e.stdout)[-600:]}", flush=True)
+            continue
         if r.returncode:
             print(f"{v}: failed\n{r.stderr[-1500:]}", flush=True)
         for line in r.stdout.splitlines():

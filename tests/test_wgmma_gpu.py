@@ -94,7 +94,7 @@ def test_plans_use_split_k_and_not():
     assert plan(64, 57344, 8192, 4)["cols"] == 512 and plan(64, 8192, 28672, 4)["cols"] == 256
     assert plan(16, 57344, 8192, 4)["cols"] == 256
     assert plan(17, 4096, 4096, 4)["tile_m"] == 32 and plan(16, 4096, 4096, 4)["tile_m"] == 16
-    assert plan(200, 4096, 4096, 4)["tile_m"] == 128 and plan(200, 4096, 4096, 4)["grid"][2] == 2
+    assert plan(200, 4096, 4096, 4)["tile_m"] == 128 and plan(200, 4096, 4096, 4)["grid"][1] == 2
 
 
 def test_spread_launch(monkeypatch):
@@ -104,7 +104,7 @@ def test_spread_launch(monkeypatch):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     n = 64 * 4 * (sms // 8)  # sms // 8 column groups: eight K-splits fill the SMs once
     p = plan(64, n, 14336, 4)
-    assert p["splits"] * p["grid"][1] <= sms and p["per_sm"] == 1, p
+    assert p["splits"] * p["grid"][2] <= sms and p["per_sm"] == 1, p
     check(64, n, 14336, 4, torch.float16, bias=True)
     monkeypatch.setenv("KBIT_WGMMA_SPREAD", "0")
     assert plan(64, n, 14336, 4)["per_sm"] > 1
