@@ -23,9 +23,10 @@
 //     one PRMT per A register regroups them into natural k, so x goes to shared memory as
 //     stored, by TMA (a 2-D tensor map of x, box MT rows x 64 k) straight into the 128 B
 //     swizzle wgmma's descriptor describes, in the same stage as W (bulk copies of the CTA's
-//     units). One thread issues a stage; its bytes complete the stage's mbarrier. (cp.async by
-//     every thread, before: each SM moved only ~35-40 GB/s from L2, and the x and W loads took
-//     62% of the time of a 57344x8192 M=256 call even with no decode and no wgmma, docs/MMA.md.)
+//     units, one per slab's warp). The bytes and 1 + slabs arrivals complete the stage's
+//     mbarrier. (cp.async by every thread, before: each SM moved only ~35 GB/s from L2, and
+//     the loads alone took 62% of a 57344x8192 M=256 call, docs/MMA.md; now 10-12% faster
+//     at M = 128..256, 6-9% at M = 64.)
 //   * each lane reads back only its own 16 B per plane of its warp's unit (conflict-free LDS.128).
 //   * per K-tile: every thread waits for the stage's mbarrier, then one __syncthreads (every
 //     warp is past the previous tile, so the stage two tiles back may be refilled).
@@ -124,8 +125,8 @@ __device__ __forceinline__ uint4 lds_v4(uint32_t addr) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
   return r;
 }
-// Generic-proxy writes (cp.async of x) become visible to wgmma's async-proxy reads only
-// through this fence (then a barrier for the other threads).
+// Orders this thread's earlier generic-proxy accesses of shared memory (the LDS of W words in
+// the stage) before later async-proxy ones (the TMA / bulk writes that refill the stage).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Shared-memory matrix descriptor of a K-major tile with 128-byte rows in the 128 B swizzle:
@@ -258,7 +259,7 @@ __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint
     // K = 3..5, k = (2t + s', 16 + 2t + s') with s = 2 j + s' covering k = 8 j + ..., and for K = 2
     // (crumb pairs) k = (16 j + 2t + s', 16 j + 8 + 2t + s'). One PRMT per register regroups
     // them into the m16n8k16 A fragment of natural k (k16 step, then k = 2t, 2t+1 / 2t+8, 2t+9),
-    // so x is used as stored: a plain cp.async of its rows, no permutation pass.
+    // so x is used as stored: a TMA box of its rows, no permutation pass.
     constexpr bool kCrumb = PairTable<BITS>::kCrumbPairs;
     const uint32_t a[2][4] = {{a0[0], a0[1], a0[2], a0[3]}, {a1[0], a1[1], a1[2], a1[3]}};
 #pragma unroll
