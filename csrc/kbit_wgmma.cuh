@@ -13,7 +13,7 @@
 //     units forms one m64 (rows permuted across slabs; the epilogue maps them back): four
 //     accumulator sets of 64 x MT per warpgroup, 256 columns x MT tokens, 2 MT fp32 / thread.
 //     CTA = one warpgroup (256 columns); or two sharing one x tile (512 columns, half the x
-//     traffic per weight; plan_t says when); or, at MT = 128, two that split each unit's row
+//     traffic per weight; only when forced since the TMA loads, plan_t); or, at MT = 128, two that split each unit's row
 //     tiles between them (the A registers then feed 128 tokens).
 //   * per 32-block: decode (kbit_decode.cuh: the GEMV's pair tables, codebook pre-multiplied
 //     by the E4M4 constant, then one HMUL2 by the block's scale) -> 8 wgmma (4 row tiles x
@@ -621,8 +621,8 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
 }
 
 // Debug overrides for tuning, read on every call, unset in production:
-// KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128, KBIT_WGMMA_WIDE = 0 | 1 (512-column CTAs at tiles
-// <= 64 never / always) and KBIT_WGMMA_SPREAD = 0 (never launch spread).
+// KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128, KBIT_WGMMA_WIDE = 1 (512-column CTAs at tiles <= 64)
+// and KBIT_WGMMA_SPREAD = 0 (never launch spread).
 inline int env_int(const char* name, int fallback) {
   const char* f = std::getenv(name);
   return f != nullptr && *f != '\0' ? std::atoi(f) : fallback;
@@ -646,21 +646,16 @@ template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn) {
                     : occupancy<BITS, 128, 256, T>();
 }
 
-// 512-column CTAs halve the x traffic per weight (each CTA re-reads x from L2) but halve the
-// CTA count: measured 5-7% faster at M = 32..64 where they still fill the GPU with at most two
-// K-splits (57344x8192, 28672x4096), 1-17% slower where they need eight (8192x28672) and
-// equal-or-slower at M = 16. So: wide for 32 <= tile <= 64 when the wide plan splits K <= 2.
+// 512-column CTAs (two warpgroups sharing one x tile) halve the x traffic per weight but halve
+// the CTA count. With x loaded by cp.async they were 5-7% faster at M = 32..64 on 57344x8192
+// and 28672x4096; since the TMA loads (538d5d1) 256-column CTAs are equal or faster on all six
+// benchmark shapes at M = 16, 32, 64 (57344x8192 M = 64: 161.9 vs 170.0 us, 28672x4096: 50.8
+// vs 55.2; bench_gemm.py with KBIT_WGMMA_WIDE=0 / 1 / unset, same call, H200). So the plan
+// takes them only when forced (KBIT_WGMMA_WIDE=1, for tuning and the tests).
 template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, int* out) {
   const int mt = tile_m(p.m);
   const int gz = div_up(p.m, mt);
-  int cn = 256;
-  const int force_wide = env_int("KBIT_WGMMA_WIDE", -1);
-  if (mt <= 64 && force_wide == 1) {
-    cn = 512;
-  } else if (mt >= 32 && mt <= 64 && force_wide != 0) {
-    const int gy_w = div_up(n_units(p.n), 512 / kUnitN);
-    if (choose_splits((long long)gy_w * gz, p.ku_count, num_sms, occupancy_for<BITS, T>(mt, 512)) <= 2) cn = 512;
-  }
+  const int cn = mt <= 64 && env_int("KBIT_WGMMA_WIDE", 0) == 1 ? 512 : 256;
   const int gy = div_up(n_units(p.n), cn / kUnitN);
   const Occupancy& occ = occupancy_for<BITS, T>(mt, cn);
   int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, num_sms, occ);

@@ -90,8 +90,8 @@ def test_wide_ctas(m, monkeypatch):
 
 def test_plans_use_split_k_and_not():
     assert plan(64, 4096, 4096, 4)["splits"] > 1          # 16 CTAs without splitting
-    assert plan(64, 57344, 8192, 4)["splits"] == 1        # 112 wide CTAs already
-    assert plan(64, 57344, 8192, 4)["cols"] == 512 and plan(64, 8192, 28672, 4)["cols"] == 256
+    assert plan(64, 57344, 8192, 4)["splits"] == 1        # 224 CTAs already
+    assert plan(64, 57344, 8192, 4)["cols"] == 256  # 512-column CTAs only when forced
     assert plan(16, 57344, 8192, 4)["cols"] == 256
     assert plan(17, 4096, 4096, 4)["tile_m"] == 32 and plan(16, 4096, 4096, 4)["tile_m"] == 16
     assert plan(200, 4096, 4096, 4)["tile_m"] == 128 and plan(200, 4096, 4096, 4)["grid"][1] == 2
