@@ -51,7 +51,8 @@ cudaError_t launch_wgmma(DType dtype, const void* x, const uint32_t* packed, con
   if (m < 1 || n < 1 || k < kBlock || k % kBlock != 0 || bits < 2 || bits > 5) return cudaErrorInvalidValue;
   if (dtype != DType::kHalf && dtype != DType::kBFloat16) return cudaErrorInvalidValue;
   if (!wgmma_supported()) return cudaErrorNotSupported;
-  // cp.async moves 16 B: x rows (K % 32 == 0) and units are 16 B multiples, so only the bases matter
+  // TMA and bulk copies need 16 B-aligned global addresses: x rows (K % 32 == 0) and units are
+  // 16 B multiples, so only the bases matter
   const auto misaligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) != 0; };
   if (misaligned(x) || misaligned(packed) || misaligned(absmax)) return cudaErrorInvalidValue;
   wg::Params p;

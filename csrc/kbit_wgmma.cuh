@@ -106,8 +106,8 @@ template <int BITS, int MT, int CN> struct Cfg {
   static constexpr int kLead = kStages - 2;                 // K-tiles issued ahead of the one computed
   static constexpr int kPipeBytes = kStageOff + kStages * kStageBytes;
   static constexpr int kAcc = kSets * MT / 2;               // fp32 accumulators per thread
-  static constexpr int kRedBytes = kAcc * kThreads * 4;     // split-K partials, after the pipeline
-  static constexpr int kBarCount = 1 + kSlabsCta;  // arrivals per phase: x's issuer, each slab's
+  static constexpr int kRedBytes = kAcc * kThreads * 4;     // split-K partials, over the drained pipeline
+  static constexpr int kBarCount = 1 + kSlabsCta;           // arrivals per phase: x's issuer, each slab's W issuer
   static constexpr int kBarOff = kPipeBytes > kRedBytes ? kPipeBytes : kRedBytes;  // one mbarrier per stage
   static constexpr int kBytes = kBarOff + 8 * kStages + 1024;  // + alignment
   static_assert(kXBytes % 1024 == 0 && kStageBytes % 1024 == 0 && kStageOff % 1024 == 0,
@@ -300,7 +300,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1)
   const int ku_begin = split * p.chunk;
   const int nt = max(0, min(p.ku_count, ku_begin + p.chunk) - ku_begin);
 
-  // one mbarrier per stage: thread 0's arrival plus the stage's TMA bytes complete a phase
+  // one mbarrier per stage: a phase completes with kBarCount arrivals (each announcing its
+  // bytes) and those bytes landed
   const uint32_t bar0 = base + C::kBarOff;
   if (tid == 0) {
 #pragma unroll
@@ -330,16 +331,16 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1)
     const uint32_t bar = bar0 + 8 * (i % C::kStages);
     const long long unit = (long long)(slab_ok ? nu : 0) * p.ku_count + ku;
     const uint32_t wd = st + C::kXBytes + slab * C::kUnitBytes;
+    const bool w_issuer = w_loader && lane == 0;
     // the stage's previous generic-proxy reads (LDS of W) are ordered before the async writes
+    if (tid == 0 || w_issuer) fence_proxy_async();
     if (tid == 0) {
-      fence_proxy_async();
       mbar_arrive_expect_tx(bar, kXTx);
 #ifndef KBIT_WG_DEV_NOX
       tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
 #endif
     }
-    if (w_loader && lane == 0) {
-      fence_proxy_async();
+    if (w_issuer) {
       mbar_arrive_expect_tx(bar, C::kUnitBytes);
       bulk_load(wd, p.packed + unit * unit_words(BITS), BITS * 512, bar);
       bulk_load(wd + BITS * 512, p.absmax + unit * kUnitAbsmaxBytes, kUnitAbsmaxBytes, bar);
