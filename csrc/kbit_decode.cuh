@@ -26,13 +26,25 @@
 
 namespace kbit {
 
+// Replicas of the shared-memory pair table: replica r serves lanes r, r + kLutReplicas, ..., so
+// with 32 every lane owns a bank (conflict-free lookups) and with 16 two lanes share one (a
+// 2-way conflict where their entries differ) for half the shared memory. Probe builds may set
+// KBIT_WG_DEV_LUTREP=16 or 8 (scripts/wgmma_dev.py flag LUTREP=n).
+#ifdef KBIT_WG_DEV_LUTREP
+constexpr int kLutReplicas = KBIT_WG_DEV_LUTREP;
+#else
+constexpr int kLutReplicas = 32;
+#endif
+static_assert(kLutReplicas == 32 || kLutReplicas == 16 || kLutReplicas == 8, "pair-table replicas: 32, 16 or 8");
+
 // Per bit width: where the codebook lives and how x is paired.
 template <int BITS> struct PairTable {
   static_assert(BITS >= 2 && BITS <= 5, "kbit supports 2..5 bits");
   // shared-memory pair table entries (pair index = idx_a | idx_b << 4), 0 when lanes hold it
   static constexpr int kLutEntries = BITS == 4 ? 256 : BITS == 3 ? 128 : 0;
-  // 32 replicas, so lane l always reads bank l (conflict-free lookups)
-  static constexpr int kLutBytes = kLutEntries * 32 * 4;
+  // entry v of replica r is word kLutReplicas v + r (bank r)
+  static constexpr int kLutBytes = kLutEntries * kLutReplicas * 4;
+  static constexpr int kRowShift = kLutReplicas == 32 ? 7 : kLutReplicas == 16 ? 6 : 5;  // log2(bytes per entry)
   // x pairing: K=2 pairs elements (e, e+2) of a byte, the nibble schemes pair (e, e+4)
   static constexpr bool kCrumbPairs = BITS == 2;
 };
@@ -55,8 +67,8 @@ __device__ __forceinline__ uint32_t init_codebook(const float* codebook, float m
     constexpr int kEntries = PairTable<BITS>::kLutEntries;
     constexpr int kMask = (1 << BITS) - 1;
     uint4* lut4 = reinterpret_cast<uint4*>(lut);
-    for (int i = tid; i < kEntries * 8; i += nthreads) {  // 8 uint4 = 32 replicas
-      const int v = i >> 3;
+    for (int i = tid; i < kEntries * (kLutReplicas / 4); i += nthreads) {  // kLutReplicas / 4 uint4 per entry
+      const int v = i / (kLutReplicas / 4);
       const uint32_t e = pack2<T>(mult * __ldg(codebook + (v & kMask)), mult * __ldg(codebook + ((v >> 4) & kMask)));
       lut4[i] = make_uint4(e, e, e, e);
     }
@@ -171,10 +183,10 @@ template <int BITS, typename T> struct Decoder {
       // one shuffle per element (32-entry table = 32 lanes), PRMT joins the pair (s, s+4)
       return prmt(shfl_lut(table, words[s] >> (8 * q)), shfl_lut(table, words[4 + s] >> (8 * q)), 0x5410);
     } else {
-      // shared-memory pair table, replica `lane` (conflict-free): entry v = byte q of N_s at
-      // byte offset 128 v from this lane's replica; PRMT extracts the byte, LEA adds it
+      // shared-memory pair table, this lane's replica (lut_addr): entry v = byte q of N_s at
+      // byte offset 4 kLutReplicas v from it; PRMT extracts the byte, LEA adds it
       const uint32_t v = prmt(words[s], 0u, 0x4440u | uint32_t(q));
-      return lds_u32(lut_addr + (v << 7));
+      return lds_u32(lut_addr + (v << PairTable<BITS>::kRowShift));
     }
   }
 };

@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   const uint32_t table = init_codebook<BITS, T>(p.codebook, 1.0f, smem, threadIdx.x, kThreads);
   if constexpr (Traits<BITS>::kLutEntries > 0) __syncthreads();
   // entry v of replica `lane` is the word 32 v + lane (bank = lane)
-  const uint32_t lut_addr = opaque(uint32_t(__cvta_generic_to_shared(smem)) + 4u * lane);
+  const uint32_t lut_addr = opaque(uint32_t(__cvta_generic_to_shared(smem)) + 4u * (lane % kLutReplicas));
 
   float acc[kPairsPerLane][MT][4];
 #pragma unroll

@@ -13,8 +13,9 @@
 //     units forms one m64 (rows permuted across slabs; the epilogue maps them back): four
 //     accumulator sets of 64 x MT per warpgroup, 256 columns x MT tokens, 2 MT fp32 / thread.
 //     CTA = one warpgroup (256 columns); or two sharing one x tile (512 columns, half the x
-//     traffic per weight; only when forced since the TMA loads, plan_t); or, at MT = 128, two that split each unit's row
-//     tiles between them (the A registers then feed 128 tokens).
+//     traffic per weight; only when forced since the TMA loads, plan_t); or two that split each
+//     unit's row tiles between them (row split R = 2: at MT = 128 so that the accumulators fit,
+//     at MT = 64 and short-K MT <= 32 for 16 warps per SM, plan_t).
 //   * per 32-block: decode (kbit_decode.cuh: the GEMV's pair tables, codebook pre-multiplied
 //     by the E4M4 constant, then one HMUL2 by the block's scale) -> 8 wgmma (4 row tiles x
 //     2 k16 steps) into two alternating A buffers: block b+1 decodes while block b multiplies
@@ -64,7 +65,7 @@ namespace wg {
 
 constexpr int kSlabs = 4;               // one 64-column layout slab per warp of a warpgroup
 constexpr int kMaxSplits = 8;           // portable cluster size
-constexpr int kPlanInts = 7;            // wgmma_plan_info's out[] (kbit_ops.h)
+constexpr int kPlanInts = 8;            // wgmma_plan_info's out[] (kbit_ops.h)
 // Grid (splits, token tiles, column groups): the token tiles of one column group are launched
 // next to each other, so the W they share is read from DRAM once and from L2 after (0-7% faster
 // at M = 128..512 than column groups first, wgmma_dev.py, H200).
@@ -73,33 +74,45 @@ __device__ __forceinline__ int col_group() { return blockIdx.z; }
 
 using Params = StreamParams;  // kbit_common.cuh
 
-// MT tokens x CN columns per CTA.
-template <int BITS, int MT, int CN> struct Cfg {
+// Row split R of a 256-column CTA: R warpgroups share its four slabs, warpgroup wg taking row
+// tiles 4 wg / R .. of every unit (the lane's words h = (4 wg / R) / 2, and at R = 4 only the
+// n8 groups of one row tile of that word). Each weight is still decoded once per CTA; what
+// changes is how many warps share the decode (16 per SM instead of 8 where R = 2 leaves two
+// CTAs per SM) and how many accumulators a thread holds (4 / R sets of MT / 2). The plan
+// (plan_t) picks R; measurements there.
+// MT tokens x CN columns per CTA, row split R.
+template <int BITS, int MT, int CN, int R> struct Cfg {
   static_assert(MT == 16 || MT == 32 || MT == 64 || MT == 128, "wgmma N (tokens per CTA): 16, 32, 64 or 128");
   static_assert(CN == 256 || (CN == 512 && MT <= 64), "256 columns, or 512 (two warpgroups) up to 64 tokens");
-  // MT = 128: two warpgroups; warpgroup h takes row tiles 2h, 2h+1 of every slab (the lane's
-  // words h and 2+h), so each decodes half of each unit and the A registers feed 128 tokens.
-  // CN = 512: two warpgroups of four slabs each share one x tile (half the x traffic per weight).
-  static constexpr bool kSplitRows = MT == 128;
+  static_assert(R == 1 || R == 2 || R == 4, "row split: 1, 2 or 4 warpgroups per slab set");
+  static_assert(R == 1 || CN == 256, "a row split shares the four slabs of a 256-column CTA");
+  static_assert(!(R == 1 && MT == 128), "128 x 64 fp32 accumulators per thread do not fit the registers");
+  // CN = 512 (R = 1): two warpgroups of four slabs each share one x tile (half the x traffic
+  // per weight).
+  static constexpr int kRowSplit = R;
   static constexpr int kSlabsCta = CN / kUnitN;             // slabs (64 columns) per CTA
-  static constexpr int kWG = kSplitRows ? 2 : kSlabsCta / kSlabs;
+  static constexpr int kWG = R > 1 ? R : kSlabsCta / kSlabs;
   static constexpr int kThreads = 128 * kWG;
-  static constexpr int kSets = kSplitRows ? 2 : 4;          // accumulator sets (row tiles) per thread
-  static constexpr int kHalves = kSplitRows ? 1 : 2;        // plane words h a warp decodes per block
+  static constexpr int kSets = 4 / R;                       // accumulator sets (row tiles) per thread
+  static constexpr int kHalves = R == 1 ? 2 : 1;            // plane words h a warp decodes per block
+  static constexpr int kQps = R == 4 ? 1 : 2;               // row-tile pairs (qp) decoded per word
+  // CTAs per SM the kernel is built for (__launch_bounds__): 16 warps per SM where the
+  // registers allow it (R = 2 at MT <= 64: 64 accumulators; R = 4: one 512-thread CTA).
+  static constexpr int kCtasPerSm = (R == 1 && CN == 256) || (R == 2 && MT <= 64) ? 2 : 1;
   static constexpr int kUnitBytes = BITS * 512 + kUnitAbsmaxBytes;  // one layout unit
   static constexpr int kXBytes = MT * 128;    // MT rows x 64 k x 2 B; a multiple of the 1 KB swizzle atom
   static constexpr int kWBytes = kSlabsCta * kUnitBytes;    // one K-tile of W (the slabs' units)
   static constexpr int kStageBytes = kXBytes + (kWBytes + 1023) / 1024 * 1024;  // x tile, then W (1 KB steps)
   static constexpr int kLutOff = 0;
   static constexpr int kStageOff = PairTable<BITS>::kLutBytes;  // a multiple of 1 KB (128 B per entry)
-  // Stages: as deep as fits next to the table in the shared memory of one CTA when two share
-  // an SM (one-warpgroup tiles) or of a whole SM (two warpgroups), capped at 8. Tile t's stage
+  // Stages: as deep as fits next to the table in half an SM's shared memory (two CTAs per SM)
+  // or a whole SM's (one), capped at 8. Tile t's stage
   // is refilled with tile t + kStages at iteration t + 2 (the wgmmas of tile t may still read
   // its x during iteration t + 1), so kStages - 2 K-tiles are in flight from DRAM (W) and L2 (x).
 #ifdef KBIT_WG_DEV_STAGES
   static constexpr int kStages = KBIT_WG_DEV_STAGES;
 #else
-  static constexpr int kBudget = (kWG == 1 ? 110 : 220) * 1024;
+  static constexpr int kBudget = (kCtasPerSm == 2 ? 110 : 220) * 1024;
   static constexpr int kFit = (kBudget - kStageOff) / kStageBytes;
   static constexpr int kStages = kFit > 8 ? 8 : kFit;
 #endif
@@ -156,6 +169,21 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
+}
+// mbar_wait; probe builds (KBIT_WG_DEV_WATCHDOG) trap after ~2 x 10^7 polls instead of hanging.
+__device__ __forceinline__ void stage_wait(uint32_t bar, uint32_t parity) {
+#ifdef KBIT_WG_DEV_WATCHDOG
+  for (long long i = 0;; ++i) {
+    uint32_t done;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    if (done) return;
+    if (i > 20000000LL) __trap();
+  }
+#else
+  mbar_wait(bar, parity);
+#endif
 }
 // Orders this thread's register writes (decoded A, zeroed accumulators) before the next wgmma.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -234,19 +262,21 @@ template <typename T> __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint
 }
 
 // A fragments of one plane word (block kb = wi / 2, n8 groups 4h..4h+3, h = wi % 2): row tiles
-// 2h (groups 4h, 4h+1) and 2h+1 (groups 4h+2, 4h+3) as A[qp][k16 step][register].
-template <int BITS, typename T>
-__device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint32_t codes, uint32_t (&A)[2][2][4],
-                                            uint32_t lut_addr, uint32_t table) {
+// 2h + qp (groups 4h + 2qp, 4h + 2qp + 1) for qp = qp0 .. qp0 + NQP - 1, as A[qp - qp0][k16
+// step][register]. (qp0 is uniform per warp; the byte selectors take it at run time for free.)
+template <int BITS, typename T, int NQP>
+__device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint32_t codes, uint32_t (&A)[NQP][2][4],
+                                            int qp0, uint32_t lut_addr, uint32_t table) {
 #ifdef KBIT_WG_DEV_NODECODE
 #pragma unroll
-  for (int i = 0; i < 16; ++i) (&A[0][0][0])[i] = planes[i % BITS] ^ codes;
+  for (int i = 0; i < 8 * NQP; ++i) (&A[0][0][0])[i] = planes[i % BITS] ^ codes;
   return;
 #endif
   Decoder<BITS, T> dec;
   dec.load(planes);
 #pragma unroll
-  for (int qp = 0; qp < 2; ++qp) {
+  for (int qi = 0; qi < NQP; ++qi) {
+    const int qp = qi + qp0;
     const int q0 = 2 * qp, q1 = 2 * qp + 1;  // n8 groups 4h+q0 (rows g), 4h+q1 (rows g+8)
     const uint32_t s0 = scale2<T>(codes, q0), s1 = scale2<T>(codes, q1);
     uint32_t a0[4], a1[4];
@@ -265,33 +295,34 @@ __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // rows g (fragment registers 0, 2) and g + 8 (1, 3)
       if constexpr (kCrumb) {
-        A[qp][0][r] = prmt(a[r][0], a[r][1], 0x5410);
-        A[qp][0][2 + r] = prmt(a[r][0], a[r][1], 0x7632);
-        A[qp][1][r] = prmt(a[r][2], a[r][3], 0x5410);
-        A[qp][1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
+        A[qi][0][r] = prmt(a[r][0], a[r][1], 0x5410);
+        A[qi][0][2 + r] = prmt(a[r][0], a[r][1], 0x7632);
+        A[qi][1][r] = prmt(a[r][2], a[r][3], 0x5410);
+        A[qi][1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
       } else {
-        A[qp][0][r] = prmt(a[r][0], a[r][1], 0x5410);
-        A[qp][0][2 + r] = prmt(a[r][2], a[r][3], 0x5410);
-        A[qp][1][r] = prmt(a[r][0], a[r][1], 0x7632);
-        A[qp][1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
+        A[qi][0][r] = prmt(a[r][0], a[r][1], 0x5410);
+        A[qi][0][2 + r] = prmt(a[r][2], a[r][3], 0x5410);
+        A[qi][1][r] = prmt(a[r][0], a[r][1], 0x7632);
+        A[qi][1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
       }
     }
   }
 }
 
-template <int BITS, int MT, int CN, typename T>
-__global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1)
+template <int BITS, int MT, int CN, int R, typename T>
+__global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, CN, R>::kCtasPerSm)
     wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap xmap) {
 #if KBIT_WGMMA_DEVICE
-  using C = Cfg<BITS, MT, CN>;
+  using C = Cfg<BITS, MT, CN, R>;
   constexpr int kThreads = C::kThreads, kSets = C::kSets;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
   uint8_t* smem = smem_raw + (base - raw_addr);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // wgmma takes rows 16 (warp % 4) + ... from this warp; split rows: both warpgroups share slabs
-  const int slab = C::kSplitRows ? (warp & 3) : warp, wg = warp >> 2;
+  // wgmma takes rows 16 (warp % 4) + ... from this warp; a row split's warpgroups share slabs
+  const int slab = R > 1 ? (warp & 3) : warp, wg = warp >> 2;
+  const int pr0 = R > 1 ? kSets * wg : 0;  // this warpgroup's first row tile (of 4 per unit)
   const int g = lane >> 2, t4 = lane & 3;
   const int split = blockIdx.x, splits = gridDim.x;
   const int nu = col_group() * C::kSlabsCta + slab;
@@ -320,10 +351,10 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1)
 #else
   constexpr uint32_t kXTx = 0;
 #endif
-  // the warps that load W, one slab each: with two warpgroups on shared slabs (MT = 128) the
-  // second one, so that the first (whose thread 0 issues x) does not also carry W's issue work
+  // the warps that load W, one slab each: with warpgroups on shared slabs (R > 1) the last
+  // one, so that the first (whose thread 0 issues x) does not also carry W's issue work
   // (0.2-1.1% faster at M = 128 / 256 on four shapes, wgmma_dev.py, same call)
-  const bool w_loader = !C::kSplitRows || wg == 1;
+  const bool w_loader = R == 1 || wg == R - 1;
   const auto issue = [&](int i) {
     if (i >= nt) return;
     const int ku = ku_begin + i;
@@ -359,12 +390,12 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1)
   // (published by the first iteration's __syncthreads)
   const uint32_t table = init_codebook<BITS, T>(p.codebook, codebook_mult<T>(),
                                                 reinterpret_cast<uint32_t*>(smem + C::kLutOff), tid, kThreads);
-  const uint32_t lut_addr = opaque(base + C::kLutOff + 4u * lane);
+  const uint32_t lut_addr = opaque(base + C::kLutOff + 4u * (lane % kLutReplicas));
 
   // two A buffers: block b+1 decodes while block b multiplies (<= 255 registers, no spills)
   uint32_t A[2][kSets][2][4];
   for (int t = 0; t < nt; ++t) {
-    mbar_wait(bar0 + 8 * (t % C::kStages), (t / C::kStages) & 1);  // x and W of tile t have landed
+    stage_wait(bar0 + 8 * (t % C::kStages), (t / C::kStages) & 1);  // x and W of tile t have landed
     // every warp is past iteration t - 1, whose wgmma.wait retired tile t - 2's reads: its
     // stage may be refilled
 #ifndef KBIT_WG_DEV_NOSYNC  // probe only (wrong results): what the CTA-wide hand-off costs
@@ -375,7 +406,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1)
     const uint32_t xt = base + C::kStageOff + (t % C::kStages) * C::kStageBytes;
     const uint32_t wst = xt + C::kXBytes + slab * C::kUnitBytes;
     uint32_t pw[2][C::kHalves][BITS], codes[2][C::kHalves];
-    if constexpr (!C::kSplitRows) {
+    if constexpr (R == 1) {
       uint4 w[BITS];
 #pragma unroll
       for (int b = 0; b < BITS; ++b) w[b] = lds_v4(wst + b * 512 + lane * 16);
@@ -386,12 +417,13 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1)
         for (int b = 0; b < BITS; ++b) pw[wi >> 1][wi & 1][b] = comp(w[b], wi);
         codes[wi >> 1][wi & 1] = comp(a, wi);
       }
-    } else {  // warpgroup wg reads only its words h = wg
+    } else {  // warpgroup wg reads only its words h = pr0 / 2
+      const int h = pr0 >> 1;
 #pragma unroll
       for (int kb = 0; kb < 2; ++kb) {
 #pragma unroll
-        for (int b = 0; b < BITS; ++b) pw[kb][0][b] = lds_u32(wst + b * 512 + lane * 16 + (2 * kb + wg) * 4);
-        codes[kb][0] = lds_u32(wst + BITS * 512 + g * 16 + (2 * kb + wg) * 4);
+        for (int b = 0; b < BITS; ++b) pw[kb][0][b] = lds_u32(wst + b * 512 + lane * 16 + (2 * kb + h) * 4);
+        codes[kb][0] = lds_u32(wst + BITS * 512 + g * 16 + (2 * kb + h) * 4);
       }
     }
 #pragma unroll
@@ -399,8 +431,9 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1)
       uint32_t(&Ab)[kSets][2][4] = A[kb];
 #pragma unroll
       for (int hh = 0; hh < C::kHalves; ++hh)
-        decode_word<BITS, T>(pw[kb][hh], codes[kb][hh], *reinterpret_cast<uint32_t(*)[2][2][4]>(&Ab[2 * hh]),
-                             lut_addr, table);
+        decode_word<BITS, T, C::kQps>(pw[kb][hh], codes[kb][hh],
+                                      *reinterpret_cast<uint32_t(*)[C::kQps][2][4]>(&Ab[C::kQps * hh]),
+                                      R == 4 ? (pr0 & 1) : 0, lut_addr, table);
 #pragma unroll
       for (int r = 0; r < kSets; ++r) fence_regs(acc[r]);
       wgmma_fence();
@@ -438,7 +471,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1)
     for (int r = 0; r < kSets; ++r)
 #pragma unroll
       for (int i = 0; i < MT / 2; ++i) {
-        const int e = i & 3, j = i >> 2, pr = r + (C::kSplitRows ? 2 * wg : 0);
+        const int e = i & 3, j = i >> 2, pr = pr0 + r;
         const int col = nu * kUnitN + 16 * pr + 8 * (e >> 1) + g, row = m0 + 8 * j + 2 * t4 + (e & 1);
         if (slab_ok && col < p.n && row < p.m) {
           float v = acc[r][i];
@@ -476,8 +509,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1)
     const int r = idx / (MT / 2), i = idx % (MT / 2), e = i & 3, j = i >> 2;
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int th = E % kThreads + u, l_ = th & 31, pr = r + (C::kSplitRows ? 2 * (th >> 7) : 0);
-      const int slab_ = C::kSplitRows ? ((th >> 5) & 3) : (th >> 5);
+      const int th = E % kThreads + u, l_ = th & 31, pr = r + (R > 1 ? kSets * (th >> 7) : 0);
+      const int slab_ = R > 1 ? ((th >> 5) & 3) : (th >> 5);
       const int col = (col_group() * C::kSlabsCta + slab_) * kUnitN + 16 * pr + 8 * (e >> 1) + (l_ >> 2);
       const int row = m0 + 8 * j + 2 * (l_ & 3) + (e & 1);
       if (col < p.n && row < p.m) {
@@ -503,10 +536,10 @@ struct Occupancy {
   int clusters[kMaxSplits + 1][2] = {};  // [s][spread]; 0 = the API gave no answer
 };
 
-template <int BITS, int MT, int CN, typename T> const Occupancy& occupancy() {
+template <int BITS, int MT, int CN, int R, typename T> const Occupancy& occupancy() {
   static const Occupancy occ = [] {
-    using C = Cfg<BITS, MT, CN>;
-    const auto kernel = wgmma_kernel<BITS, MT, CN, T>;
+    using C = Cfg<BITS, MT, CN, R>;
+    const auto kernel = wgmma_kernel<BITS, MT, CN, R, T>;
     Occupancy o;
     int dev = 0, smem_sm = 0, b = 0;
     cudaGetDevice(&dev);
@@ -564,14 +597,14 @@ template <typename T> cudaError_t make_x_map(const Params& p, int mt, CUtensorMa
 
 // Launch one instantiation with `splits` (1..kMaxSplits) CTAs per cluster along K; `spread`:
 // with spread_bytes of shared memory, so that no SM takes two CTAs.
-template <int BITS, int MT, int CN, typename T>
+template <int BITS, int MT, int CN, int R, typename T>
 cudaError_t launch_t(const Params& p, int splits, bool spread, cudaStream_t stream) {
   alignas(64) CUtensorMap xmap;
   const cudaError_t e = make_x_map<T>(p, MT, &xmap);
   if (e != cudaSuccess) return e;
-  using C = Cfg<BITS, MT, CN>;
-  const auto kernel = wgmma_kernel<BITS, MT, CN, T>;
-  const Occupancy& occ = occupancy<BITS, MT, CN, T>();  // and the shared-memory opt-in (once)
+  using C = Cfg<BITS, MT, CN, R>;
+  const auto kernel = wgmma_kernel<BITS, MT, CN, R, T>;
+  const Occupancy& occ = occupancy<BITS, MT, CN, R, T>();  // and the shared-memory opt-in (once)
   cudaLaunchConfig_t cfg = {};
   const unsigned gy = div_up(n_units(p.n), C::kSlabsCta), gz = div_up(p.m, MT);
   cfg.gridDim = dim3(splits, gz, gy);  // token tiles first (col_group)
@@ -625,8 +658,8 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
 }
 
 // Debug overrides for tuning, read on every call, unset in production:
-// KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128, KBIT_WGMMA_WIDE = 1 (512-column CTAs at tiles <= 64)
-// and KBIT_WGMMA_SPREAD = 0 (never launch spread).
+// KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128, KBIT_WGMMA_WIDE = 1 (512-column CTAs at tiles <= 64),
+// KBIT_WGMMA_SPREAD = 0 (never launch spread) and KBIT_WGMMA_ROWSPLIT = 1 | 2 (at MT <= 32).
 inline int env_int(const char* name, int fallback) {
   const char* f = std::getenv(name);
   return f != nullptr && *f != '\0' ? std::atoi(f) : fallback;
@@ -637,18 +670,33 @@ inline int tile_m(int m) {
   return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
 }
 
-// The plan of one call: [tile_m, splits, grid x (splits), grid y (token tiles), grid z
-// (column groups), columns per CTA, CTAs per SM the launch allows (1 when spread)]. `splits` > 0
-// forces the split factor (clamped to 1..min(8, K-tiles)).
-template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn) {
+// The instantiations a plan can pick, (MT, CN, R): 512-column CTAs without a row split; R = 2
+// at MT = 64 and 128; R = 1 or 2 at MT = 16 and 32.
+template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn, int rs) {
   if (cn == 512)
-    return mt == 16 ? occupancy<BITS, 16, 512, T>() : mt == 32 ? occupancy<BITS, 32, 512, T>()
-                                                      : occupancy<BITS, 64, 512, T>();
-  return mt == 16   ? occupancy<BITS, 16, 256, T>()
-         : mt == 32 ? occupancy<BITS, 32, 256, T>()
-         : mt == 64 ? occupancy<BITS, 64, 256, T>()
-                    : occupancy<BITS, 128, 256, T>();
+    return mt == 16 ? occupancy<BITS, 16, 512, 1, T>() : mt == 32 ? occupancy<BITS, 32, 512, 1, T>()
+                                                         : occupancy<BITS, 64, 512, 1, T>();
+  switch (mt) {
+    case 16: return rs == 2 ? occupancy<BITS, 16, 256, 2, T>() : occupancy<BITS, 16, 256, 1, T>();
+    case 32: return rs == 2 ? occupancy<BITS, 32, 256, 2, T>() : occupancy<BITS, 32, 256, 1, T>();
+    case 64: return occupancy<BITS, 64, 256, 2, T>();
+    default: return occupancy<BITS, 128, 256, 2, T>();
+  }
 }
+
+// Row split (Cfg) of a 256-column CTA. Measured on the H200 (wgmma_dev.py, R = 1 against 2 at
+// MT <= 64, same call, K=4 fp16, L2 flushed, us):
+//   * MT = 64: R = 2 is never slower: 4096x4096 20.6 -> 18.0, 4096x14336 41.2 -> 37.5,
+//     28672x4096 51.8 -> 49.8, 57344x8192 161.8 -> 161.4, 8192x28672 88.6 -> 88.6.
+//   * MT = 16 / 32: R = 2 wins where a CTA runs few K-tiles (4096x14336 at M = 16, 28 per CTA:
+//     34.5 -> 32.1; 4096x4096: 16.4 -> 14.6) and loses where it runs many (57344x8192, 128:
+//     124.3 -> 130.2; 8192x28672 at M = 32: 74.0 -> 76.5). So R = 2 up to kShortChunk.
+//   * R = 4 (one 512-thread CTA per SM) was slower wherever a grid needs more than one wave.
+constexpr int kShortChunk = 32;
+
+// The plan of one call: [tile_m, splits, grid x (splits), grid y (token tiles), grid z
+// (column groups), columns per CTA, CTAs per SM the launch allows (1 when spread), row split].
+// `splits` > 0 forces the split factor (clamped to 1..min(8, K-tiles)).
 
 // 512-column CTAs (two warpgroups sharing one x tile) halve the x traffic per weight but halve
 // the CTA count. With x loaded by cp.async they were 5-7% faster at M = 32..64 on 57344x8192
@@ -661,13 +709,19 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
   const int gz = div_up(p.m, mt);
   const int cn = mt <= 64 && env_int("KBIT_WGMMA_WIDE", 0) == 1 ? 512 : 256;
   const int gy = div_up(n_units(p.n), cn / kUnitN);
-  const Occupancy& occ = occupancy_for<BITS, T>(mt, cn);
-  int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, num_sms, occ);
+  // the split from R = 1's occupancy at MT <= 32 (the same two CTAs per SM as R = 2)
+  const int rs_split = cn == 512 || mt <= 32 ? 1 : 2;
+  int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, num_sms, occupancy_for<BITS, T>(mt, cn, rs_split));
   s = s < 1 ? 1 : s > kMaxSplits ? kMaxSplits : s > p.ku_count ? p.ku_count : s;
   p.chunk = div_up(p.ku_count, s);
   s = div_up(p.ku_count, p.chunk);  // no empty CTA
+  int rs = cn == 512 ? 1 : mt >= 64 || p.chunk <= kShortChunk ? 2 : 1;
+  const int rs_force = env_int("KBIT_WGMMA_ROWSPLIT", 0);
+  if (cn == 256 && mt <= 32 && (rs_force == 1 || rs_force == 2)) rs = rs_force;
+  const Occupancy& occ = occupancy_for<BITS, T>(mt, cn, rs);
   const bool spread = fits_spread(occ, (long long)gy * gz * s, num_sms) && env_int("KBIT_WGMMA_SPREAD", 1) != 0;
   out[0] = mt; out[1] = s; out[2] = s; out[3] = gz; out[4] = gy; out[5] = cn; out[6] = spread ? 1 : occ.per_sm;
+  out[7] = rs;
 }
 
 template <int BITS, typename T>
@@ -676,19 +730,20 @@ cudaError_t launch_t2(Params p, int splits, int num_sms, cudaStream_t stream, in
   int* pl = plan != nullptr ? plan : local;
   plan_t<BITS, T>(p, splits, num_sms, pl);
   if (plan != nullptr && p.x == nullptr) return cudaSuccess;  // plan query only
-  const bool spread = pl[6] == 1 && occupancy_for<BITS, T>(pl[0], pl[5]).per_sm > 1;
+  const bool spread = pl[6] == 1 && occupancy_for<BITS, T>(pl[0], pl[5], pl[7]).per_sm > 1;
+  const bool r2 = pl[7] == 2;
   if (pl[5] == 512) {
     switch (pl[0]) {
-      case 16: return launch_t<BITS, 16, 512, T>(p, pl[1], spread, stream);
-      case 32: return launch_t<BITS, 32, 512, T>(p, pl[1], spread, stream);
-      default: return launch_t<BITS, 64, 512, T>(p, pl[1], spread, stream);
+      case 16: return launch_t<BITS, 16, 512, 1, T>(p, pl[1], spread, stream);
+      case 32: return launch_t<BITS, 32, 512, 1, T>(p, pl[1], spread, stream);
+      default: return launch_t<BITS, 64, 512, 1, T>(p, pl[1], spread, stream);
     }
   }
   switch (pl[0]) {
-    case 16: return launch_t<BITS, 16, 256, T>(p, pl[1], spread, stream);
-    case 32: return launch_t<BITS, 32, 256, T>(p, pl[1], spread, stream);
-    case 64: return launch_t<BITS, 64, 256, T>(p, pl[1], spread, stream);
-    default: return launch_t<BITS, 128, 256, T>(p, pl[1], spread, stream);
+    case 16: return r2 ? launch_t<BITS, 16, 256, 2, T>(p, pl[1], spread, stream) : launch_t<BITS, 16, 256, 1, T>(p, pl[1], spread, stream);
+    case 32: return r2 ? launch_t<BITS, 32, 256, 2, T>(p, pl[1], spread, stream) : launch_t<BITS, 32, 256, 1, T>(p, pl[1], spread, stream);
+    case 64: return launch_t<BITS, 64, 256, 2, T>(p, pl[1], spread, stream);
+    default: return launch_t<BITS, 128, 256, 2, T>(p, pl[1], spread, stream);
   }
 }
 

@@ -1,7 +1,9 @@
 """Probe variants of the wgmma kernel (csrc/kbit_wgmma.cuh) without the torch extension: each
-variant is a -D flag set (KBIT_WG_DEV_*: NODECODE, NOMMA, NOX, STAGES=n), built with nvcc
-into its own shared library (in parallel) and timed through ctypes on K=4 fp16, L2 flushed,
-median. Answers "where does the time go" in one device call.
+variant is a -D flag set (KBIT_WG_DEV_*: NODECODE, NOMMA, NOX, NOSYNC, STAGES=n, RS=r, RS128=r),
+built with nvcc into its own shared library (in parallel) and timed through ctypes on K=4
+fp16, L2 flushed, median. Answers "where does the time go" in one device call. Every variant
+sees the same seeded inputs, and its outputs are compared with the first variant's (the
+"maxdiff" column: max |y - y_first| / max |y_first|; probes that skip work differ by design).
 usage: python3 scripts/wgmma_dev.py VARIANT [VARIANT ...]   (VARIANT: comma list of flags, "base" = none)
 """
 import ctypes
@@ -67,7 +69,9 @@ def measure(variant, lib):
     f = ctypes.CDLL(lib, mode=os.RTLD_LAZY).kbit_wgmma_c  # only K=4 is linked
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cb = kf.normal_float_codebook(4, "cuda")
+    out_dir = os.path.dirname(lib)
     for n, k in SHAPES:
+        torch.manual_seed(n * 7 + k)
         packed = torch.randint(-2**31, 2**31 - 1, ((n + 63) // 64 * (k // 64) * 4 * 128,), device="cuda", dtype=torch.int32)
         ap = torch.randint(0x30, 0x90, ((n + 63) // 64 * (k // 64) * 128,), device="cuda", dtype=torch.int32).to(torch.uint8)
         for m in MS:
@@ -77,8 +81,10 @@ def measure(variant, lib):
             call = lambda: f(0, ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(packed.data_ptr()),  # noqa: E731
                              ctypes.c_void_p(ap.data_ptr()), ctypes.c_void_p(cb.data_ptr()),
                              ctypes.c_void_p(y.data_ptr()), m, n, k, 4, sms, stream, 0)
+            y.fill_(float("nan"))
             rc = call()
             torch.cuda.synchronize()
+            torch.save(y.float().cpu(), os.path.join(out_dir, f"y_{n}x{k}_{m}.pt"))
             print(f"RESULT {n}x{k} M={m} {variant} " + (f"{timer(call):.1f}" if rc == 0 else f"rc={rc}"), flush=True)
 
 
@@ -94,6 +100,7 @@ def main():
     with ThreadPoolExecutor(len(variants)) as ex:
         libs = dict(ex.map(build, variants))
     table = {}
+    first = None
     for v, lib in libs.items():
         try:  # a variant that hangs (a broken hand-off) must not take the whole call with it
             r = subprocess.run([sys.executable, __file__, "--one", v, lib], capture_output=True, text=True,
@@ -107,6 +114,15 @@ def main():
             if line.startswith("RESULT "):
                 _, shape, m, var, t = line.split()
                 table.setdefault(f"{shape} {m}", {})[var] = t
+        first = first or lib
+        diffs = []
+        for f in sorted(os.listdir(os.path.dirname(lib))):
+            if f.startswith("y_"):
+                a = torch.load(os.path.join(os.path.dirname(first), f))
+                b = torch.load(os.path.join(os.path.dirname(lib), f))
+                diffs.append(((a - b).abs().max() / a.abs().max()).item())
+        worst = float("nan") if not diffs or any(d != d for d in diffs) else max(diffs)  # NaN: unwritten output
+        print(f"{v}: maxdiff {worst:.2e}", flush=True)
     print("us per call (K=4 fp16, L2 flushed, median of 30)")
     print(f"{'shape M':<20}" + "".join(f"{v:>22}" for v in libs))
     for key, row in table.items():

@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck  python3 tests/sanitize_wgmma.py
     compute-sanitizer --tool racecheck python3 tests/sanitize_wgmma.py
 
-Covers the three token tiles (16, 32, 64), split-K clusters (forced 1, 3, 8 and the plan's),
+Covers the token tiles (16, 32, 64, 128), one and two warpgroups per CTA (row split), split-K
+clusters (forced 1, 3, 8 and the plan's),
 the M / N / K tails (rows past M, slabs past N, K % 64 == 32), bias, fp16 and bf16, K = 2..5.
 Shapes are tiny so the tools finish in seconds. Exits non-zero if a result is off (the
 sanitizer reports its own errors). Exits 0 with a note where the wgmma path is unavailable.
@@ -16,11 +17,12 @@ from gemm_cases import sanitize_case  # tests/ is this script's directory, so on
 from vllm_kbit import ops  # noqa: F401  (registers the ops, loads vllm_kbit._C)
 
 CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)
-    (17, 200, 96, 3, torch.float16, True, 0),         # tile 32, slabs past N, K % 64 == 32
+    (17, 200, 96, 3, torch.float16, True, 0),         # tile 32 (two warpgroups), slabs past N, K % 64 == 32
     (16, 130, 4128, 4, torch.bfloat16, False, 3),     # tile 16, 3-CTA cluster, uneven chunks
     (64, 64, 2048, 2, torch.float16, True, 8),        # tile 64, 8-CTA cluster, one slab
     (100, 300, 1056, 5, torch.bfloat16, True, 1),     # two token tiles, rows past M
     (40, 520, 1024, 4, torch.float16, False, 0),
+    (24, 200, 8192, 3, torch.float16, True, 1),       # tile 32, one warpgroup (128 K-tiles per CTA)
 ]
 
 
@@ -31,10 +33,10 @@ def main():
     bad = 0
     for m, n, k, bits, dtype, bias, splits in CASES:
         ok, err = sanitize_case(4, m, n, k, bits, dtype, bias, splits)
-        plan = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)[:2]
+        plan = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
         bad += not ok
         print(f"{'ok  ' if ok else 'FAIL'} m={m} n={n} k={k} bits={bits} {dtype} tile_m={plan[0]} "
-              f"splits={plan[1]} relerr={err:.2e}", flush=True)
+              f"splits={plan[1]} row_split={plan[7]} relerr={err:.2e}", flush=True)
     torch.cuda.synchronize()
     sys.exit(1 if bad else 0)
 

@@ -25,8 +25,8 @@ if not gemm_cases.have("has_wgmma"):
 
 
 def plan(m, n, k, bits, dtype=torch.float16, splits=0):
-    tile_m, s, gx, gy, gz, cols, per_sm = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
-    return dict(tile_m=tile_m, splits=s, grid=(gx, gy, gz), cols=cols, per_sm=per_sm)
+    tile_m, s, gx, gy, gz, cols, per_sm, rows = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
+    return dict(tile_m=tile_m, splits=s, grid=(gx, gy, gz), cols=cols, per_sm=per_sm, row_split=rows)
 
 
 def check(m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0, splits=0):
@@ -86,6 +86,32 @@ def test_wide_ctas(m, monkeypatch):
     assert plan(m, 1000, 4128, 4)["cols"] == 512
     for bits, dtype, splits in ((4, torch.float16, 0), (2, torch.bfloat16, 3), (5, torch.float16, 1)):
         check(m, 1000, 4128, bits, dtype, bias=True, splits=splits)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("m", [13, 16, 17, 32])
+def test_row_split_small_tiles(m, rows, monkeypatch):
+    # 16- and 32-token tiles run with one warpgroup per CTA or two sharing its slabs (each
+    # decodes half of every unit's row tiles), by the plan's K-tiles-per-CTA rule; both forced
+    # here, with splits on and off, every bit width and dtype.
+    monkeypatch.setenv("KBIT_WGMMA_ROWSPLIT", str(rows))
+    assert plan(m, 1000, 4128, 4)["row_split"] == rows
+    for bits, dtype, splits in ((2, torch.float16, 0), (3, torch.bfloat16, 3), (4, torch.float16, 1),
+                                (5, torch.bfloat16, 8)):
+        check(m, 1000, 4128, bits, dtype, bias=(m % 2 == 1), splits=splits)
+
+
+def test_row_split_plan():
+    # two warpgroups per 64- and 128-token tile; at 16 / 32 tokens only where a CTA runs at most
+    # 32 K-tiles (kShortChunk)
+    for m in (64, 200):
+        assert plan(m, 57344, 8192, 4)["row_split"] == 2
+    for m in (16, 32):
+        p_short = plan(m, 4096, 14336, 4)
+        assert p_short["row_split"] == (2 if -(-224 // p_short["splits"]) <= 32 else 1), p_short
+        p_long = plan(m, 57344, 8192, 4)
+        assert p_long["row_split"] == (2 if -(-128 // p_long["splits"]) <= 32 else 1), p_long
+    assert plan(16, 1000, 4128, 4)["cols"] == 256
 
 
 def test_plans_use_split_k_and_not():
