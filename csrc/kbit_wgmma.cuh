@@ -74,17 +74,16 @@ __device__ __forceinline__ int col_group() { return blockIdx.z; }
 
 using Params = StreamParams;  // kbit_common.cuh
 
-// Row split R of a 256-column CTA: R warpgroups share its four slabs, warpgroup wg taking row
-// tiles 4 wg / R .. of every unit (the lane's words h = (4 wg / R) / 2, and at R = 4 only the
-// n8 groups of one row tile of that word). Each weight is still decoded once per CTA; what
-// changes is how many warps share the decode (16 per SM instead of 8 where R = 2 leaves two
-// CTAs per SM) and how many accumulators a thread holds (4 / R sets of MT / 2). The plan
-// (plan_t) picks R; measurements there.
+// Row split R of a 256-column CTA: R warpgroups share its four slabs; with R = 2 warpgroup wg
+// takes row tiles 2 wg and 2 wg + 1 of every unit (the lane's plane words h = wg). Each weight
+// is still decoded once per CTA; what changes is how many warps share the decode (16 per SM
+// instead of 8 where two CTAs fit an SM) and how many accumulators a thread holds (4 / R sets
+// of MT / 2). The plan (plan_t) picks R; measurements there.
 // MT tokens x CN columns per CTA, row split R.
 template <int BITS, int MT, int CN, int R> struct Cfg {
   static_assert(MT == 16 || MT == 32 || MT == 64 || MT == 128, "wgmma N (tokens per CTA): 16, 32, 64 or 128");
   static_assert(CN == 256 || (CN == 512 && MT <= 64), "256 columns, or 512 (two warpgroups) up to 64 tokens");
-  static_assert(R == 1 || R == 2 || R == 4, "row split: 1, 2 or 4 warpgroups per slab set");
+  static_assert(R == 1 || R == 2, "row split: 1 or 2 warpgroups per slab set");
   static_assert(R == 1 || CN == 256, "a row split shares the four slabs of a 256-column CTA");
   static_assert(!(R == 1 && MT == 128), "128 x 64 fp32 accumulators per thread do not fit the registers");
   // CN = 512 (R = 1): two warpgroups of four slabs each share one x tile (half the x traffic
@@ -95,9 +94,8 @@ template <int BITS, int MT, int CN, int R> struct Cfg {
   static constexpr int kThreads = 128 * kWG;
   static constexpr int kSets = 4 / R;                       // accumulator sets (row tiles) per thread
   static constexpr int kHalves = R == 1 ? 2 : 1;            // plane words h a warp decodes per block
-  static constexpr int kQps = R == 4 ? 1 : 2;               // row-tile pairs (qp) decoded per word
-  // CTAs per SM the kernel is built for (__launch_bounds__): 16 warps per SM where the
-  // registers allow it (R = 2 at MT <= 64: 64 accumulators; R = 4: one 512-thread CTA).
+  // CTAs per SM the kernel is built for (__launch_bounds__): two where they fit (R = 2 at
+  // MT <= 64: 64 accumulators in <= 128 registers, so 16 warps per SM)
   static constexpr int kCtasPerSm = (R == 1 && CN == 256) || (R == 2 && MT <= 64) ? 2 : 1;
   static constexpr int kUnitBytes = BITS * 512 + kUnitAbsmaxBytes;  // one layout unit
   static constexpr int kXBytes = MT * 128;    // MT rows x 64 k x 2 B; a multiple of the 1 KB swizzle atom
@@ -262,21 +260,19 @@ template <typename T> __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint
 }
 
 // A fragments of one plane word (block kb = wi / 2, n8 groups 4h..4h+3, h = wi % 2): row tiles
-// 2h + qp (groups 4h + 2qp, 4h + 2qp + 1) for qp = qp0 .. qp0 + NQP - 1, as A[qp - qp0][k16
-// step][register]. (qp0 is uniform per warp; the byte selectors take it at run time for free.)
-template <int BITS, typename T, int NQP>
-__device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint32_t codes, uint32_t (&A)[NQP][2][4],
-                                            int qp0, uint32_t lut_addr, uint32_t table) {
+// 2h (groups 4h, 4h+1) and 2h+1 (groups 4h+2, 4h+3) as A[qp][k16 step][register].
+template <int BITS, typename T>
+__device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint32_t codes, uint32_t (&A)[2][2][4],
+                                            uint32_t lut_addr, uint32_t table) {
 #ifdef KBIT_WG_DEV_NODECODE
 #pragma unroll
-  for (int i = 0; i < 8 * NQP; ++i) (&A[0][0][0])[i] = planes[i % BITS] ^ codes;
+  for (int i = 0; i < 16; ++i) (&A[0][0][0])[i] = planes[i % BITS] ^ codes;
   return;
 #endif
   Decoder<BITS, T> dec;
   dec.load(planes);
 #pragma unroll
-  for (int qi = 0; qi < NQP; ++qi) {
-    const int qp = qi + qp0;
+  for (int qp = 0; qp < 2; ++qp) {
     const int q0 = 2 * qp, q1 = 2 * qp + 1;  // n8 groups 4h+q0 (rows g), 4h+q1 (rows g+8)
     const uint32_t s0 = scale2<T>(codes, q0), s1 = scale2<T>(codes, q1);
     uint32_t a0[4], a1[4];
@@ -295,15 +291,15 @@ __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // rows g (fragment registers 0, 2) and g + 8 (1, 3)
       if constexpr (kCrumb) {
-        A[qi][0][r] = prmt(a[r][0], a[r][1], 0x5410);
-        A[qi][0][2 + r] = prmt(a[r][0], a[r][1], 0x7632);
-        A[qi][1][r] = prmt(a[r][2], a[r][3], 0x5410);
-        A[qi][1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
+        A[qp][0][r] = prmt(a[r][0], a[r][1], 0x5410);
+        A[qp][0][2 + r] = prmt(a[r][0], a[r][1], 0x7632);
+        A[qp][1][r] = prmt(a[r][2], a[r][3], 0x5410);
+        A[qp][1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
       } else {
-        A[qi][0][r] = prmt(a[r][0], a[r][1], 0x5410);
-        A[qi][0][2 + r] = prmt(a[r][2], a[r][3], 0x5410);
-        A[qi][1][r] = prmt(a[r][0], a[r][1], 0x7632);
-        A[qi][1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
+        A[qp][0][r] = prmt(a[r][0], a[r][1], 0x5410);
+        A[qp][0][2 + r] = prmt(a[r][2], a[r][3], 0x5410);
+        A[qp][1][r] = prmt(a[r][0], a[r][1], 0x7632);
+        A[qp][1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
       }
     }
   }
@@ -322,7 +318,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // wgmma takes rows 16 (warp % 4) + ... from this warp; a row split's warpgroups share slabs
   const int slab = R > 1 ? (warp & 3) : warp, wg = warp >> 2;
-  const int pr0 = R > 1 ? kSets * wg : 0;  // this warpgroup's first row tile (of 4 per unit)
+  const int pr0 = R > 1 ? 2 * wg : 0;  // this warpgroup's first row tile (of 4 per unit)
   const int g = lane >> 2, t4 = lane & 3;
   const int split = blockIdx.x, splits = gridDim.x;
   const int nu = col_group() * C::kSlabsCta + slab;
@@ -417,8 +413,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
         for (int b = 0; b < BITS; ++b) pw[wi >> 1][wi & 1][b] = comp(w[b], wi);
         codes[wi >> 1][wi & 1] = comp(a, wi);
       }
-    } else {  // warpgroup wg reads only its words h = pr0 / 2
-      const int h = pr0 >> 1;
+    } else {  // warpgroup wg reads only its words h = wg
+      const int h = wg;
 #pragma unroll
       for (int kb = 0; kb < 2; ++kb) {
 #pragma unroll
@@ -431,9 +427,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
       uint32_t(&Ab)[kSets][2][4] = A[kb];
 #pragma unroll
       for (int hh = 0; hh < C::kHalves; ++hh)
-        decode_word<BITS, T, C::kQps>(pw[kb][hh], codes[kb][hh],
-                                      *reinterpret_cast<uint32_t(*)[C::kQps][2][4]>(&Ab[C::kQps * hh]),
-                                      R == 4 ? (pr0 & 1) : 0, lut_addr, table);
+        decode_word<BITS, T>(pw[kb][hh], codes[kb][hh], *reinterpret_cast<uint32_t(*)[2][2][4]>(&Ab[2 * hh]),
+                             lut_addr, table);
 #pragma unroll
       for (int r = 0; r < kSets; ++r) fence_regs(acc[r]);
       wgmma_fence();
@@ -509,7 +504,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
     const int r = idx / (MT / 2), i = idx % (MT / 2), e = i & 3, j = i >> 2;
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int th = E % kThreads + u, l_ = th & 31, pr = r + (R > 1 ? kSets * (th >> 7) : 0);
+      const int th = E % kThreads + u, l_ = th & 31, pr = r + (R > 1 ? 2 * (th >> 7) : 0);
       const int slab_ = R > 1 ? ((th >> 5) & 3) : (th >> 5);
       const int col = (col_group() * C::kSlabsCta + slab_) * kUnitN + 16 * pr + 8 * (e >> 1) + (l_ >> 2);
       const int row = m0 + 8 * j + 2 * (l_ & 3) + (e & 1);
@@ -688,11 +683,12 @@ template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn, i
 // MT <= 64, same call, K=4 fp16, L2 flushed, us):
 //   * MT = 64: R = 2 is never slower: 4096x4096 20.6 -> 18.0, 4096x14336 41.2 -> 37.5,
 //     28672x4096 51.8 -> 49.8, 57344x8192 161.8 -> 161.4, 8192x28672 88.6 -> 88.6.
-//   * MT = 16 / 32: R = 2 wins where a CTA runs few K-tiles (4096x14336 at M = 16, 28 per CTA:
-//     34.5 -> 32.1; 4096x4096: 16.4 -> 14.6) and loses where it runs many (57344x8192, 128:
-//     124.3 -> 130.2; 8192x28672 at M = 32: 74.0 -> 76.5). So R = 2 up to kShortChunk.
-//   * R = 4 (one 512-thread CTA per SM) was slower wherever a grid needs more than one wave.
-constexpr int kShortChunk = 32;
+//   * MT = 16 / 32: R = 2 wins where a CTA runs few K-tiles (4096x14336 at M = 16, 38 per CTA:
+//     34.5 -> 32.1; 4096x4096, 11: 16.4 -> 14.6) and loses where it runs many (57344x8192, 128:
+//     124.3 -> 130.2; 8192x28672 at M = 32, 64: 74.0 -> 76.5). So R = 2 up to kShortChunk.
+//   * R = 4 (one 512-thread CTA per SM, one row tile per warpgroup; a probe build) was slower
+//     wherever a grid needs more than one wave: 57344x8192 at M = 64 161.8 -> 230.0 us.
+constexpr int kShortChunk = 48;
 
 // The plan of one call: [tile_m, splits, grid x (splits), grid y (token tiles), grid z
 // (column groups), columns per CTA, CTAs per SM the launch allows (1 when spread), row split].

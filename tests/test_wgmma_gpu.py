@@ -103,14 +103,14 @@ def test_row_split_small_tiles(m, rows, monkeypatch):
 
 def test_row_split_plan():
     # two warpgroups per 64- and 128-token tile; at 16 / 32 tokens only where a CTA runs at most
-    # 32 K-tiles (kShortChunk)
+    # 48 K-tiles (kShortChunk)
     for m in (64, 200):
         assert plan(m, 57344, 8192, 4)["row_split"] == 2
     for m in (16, 32):
         p_short = plan(m, 4096, 14336, 4)
-        assert p_short["row_split"] == (2 if -(-224 // p_short["splits"]) <= 32 else 1), p_short
+        assert p_short["row_split"] == (2 if -(-224 // p_short["splits"]) <= 48 else 1), p_short
         p_long = plan(m, 57344, 8192, 4)
-        assert p_long["row_split"] == (2 if -(-128 // p_long["splits"]) <= 32 else 1), p_long
+        assert p_long["row_split"] == (2 if -(-128 // p_long["splits"]) <= 48 else 1), p_long
     assert plan(16, 1000, 4128, 4)["cols"] == 256
 
 
