@@ -45,6 +45,10 @@ template <int BITS> struct PairTable {
   // entry v of replica r is word kLutReplicas v + r (bank r)
   static constexpr int kLutBytes = kLutEntries * kLutReplicas * 4;
   static constexpr int kRowShift = kLutReplicas == 32 ? 7 : kLutReplicas == 16 ? 6 : 5;  // log2(bytes per entry)
+  // The same table with entries 256 B apart from a 64 KB-aligned shared address ("wide" rows,
+  // half of each row unused): then the address of entry v for lane l is a byte permutation of
+  // (v, 4 l, the table's high bytes), one PRMT instead of PRMT + LEA (Decoder::pair).
+  static constexpr int kWideLutBytes = kLutEntries * 256;
   // x pairing: K=2 pairs elements (e, e+2) of a byte, the nibble schemes pair (e, e+4)
   static constexpr bool kCrumbPairs = BITS == 2;
 };
@@ -54,7 +58,7 @@ template <int BITS> struct PairTable {
 // K=3,4: writes the replicated pair table to `lut` (all threads of the CTA take part; the
 // caller synchronises). K=2: returns this lane's entry of the 16-entry pair table;
 // K=5: this lane's codebook value (32 entries = 32 lanes), as a pair of equal values.
-template <int BITS, typename T>
+template <int BITS, typename T, bool kWideRows = false>
 __device__ __forceinline__ uint32_t init_codebook(const float* codebook, float mult, uint32_t* lut, int tid,
                                                   int nthreads) {
   const int lane = tid & 31;
@@ -67,10 +71,11 @@ __device__ __forceinline__ uint32_t init_codebook(const float* codebook, float m
     constexpr int kEntries = PairTable<BITS>::kLutEntries;
     constexpr int kMask = (1 << BITS) - 1;
     uint4* lut4 = reinterpret_cast<uint4*>(lut);
-    for (int i = tid; i < kEntries * (kLutReplicas / 4); i += nthreads) {  // kLutReplicas / 4 uint4 per entry
-      const int v = i / (kLutReplicas / 4);
+    constexpr int kPer = kLutReplicas / 4;  // uint4 per entry
+    for (int i = tid; i < kEntries * kPer; i += nthreads) {
+      const int v = i / kPer;
       const uint32_t e = pack2<T>(mult * __ldg(codebook + (v & kMask)), mult * __ldg(codebook + ((v >> 4) & kMask)));
-      lut4[i] = make_uint4(e, e, e, e);
+      lut4[kWideRows ? v * 16 + i % kPer : i] = make_uint4(e, e, e, e);  // wide rows: 256 B = 16 uint4
     }
     return 0u;
   }
@@ -144,7 +149,9 @@ struct IndexWords {
 
 // The 4 pairs of column q (byte q of the plane words) for one block, from one word of each
 // plane. The MMA takes pairs 0,1 in its first k16 step and pairs 2,3 in the second.
-template <int BITS, typename T> struct Decoder {
+// kWideLut (K=3,4): the pair table has wide rows (PairTable::kWideLutBytes) and `lut_addr` is
+// the PRMT key (table address & 0xFFFF0000) | 4 lane instead of this lane's replica address.
+template <int BITS, typename T, bool kWideLut = false> struct Decoder {
   // K=2: 2 crumb words; K=3,4: nibble words N_0..N_3; K=5: byte-field words E_0..3, O_0..3
   static constexpr int kWords = BITS == 2 ? 2 : BITS == 5 ? 8 : 4;
   uint32_t words[kWords];
@@ -182,6 +189,10 @@ template <int BITS, typename T> struct Decoder {
     } else if constexpr (BITS == 5) {
       // one shuffle per element (32-entry table = 32 lanes), PRMT joins the pair (s, s+4)
       return prmt(shfl_lut(table, words[s] >> (8 * q)), shfl_lut(table, words[4 + s] >> (8 * q)), 0x5410);
+    } else if constexpr (kWideLut) {
+      static_assert(kLutReplicas == 32, "wide rows hold 32 replicas");
+      // address bytes: [4 lane, byte q of N_s (the entry), the table's bytes 2, 3]
+      return lds_u32(prmt(words[s], lut_addr, 0x7604u | (uint32_t(q) << 4)));
     } else {
       // shared-memory pair table, this lane's replica (lut_addr): entry v = byte q of N_s at
       // byte offset 4 kLutReplicas v from it; PRMT extracts the byte, LEA adds it

@@ -27,7 +27,9 @@
 //       K=3,4: planes -> 4 "nibble" words (bit-matrix transpose, ~28 ops; K=4's layout stores
 //            them, kbit_layout.cuh, so there it is a register move); every byte is a
 //            pair of indices, looked up in a 256-entry (128 for K=3) half2 pair table in
-//            shared memory, replicated 32x so lane l always hits bank l (conflict-free).
+//            shared memory, replicated 32x so lane l always hits bank l (conflict-free). A CTA
+//            alone on its SM lays the rows 256 B apart from a 64 KB-aligned address, so one
+//            PRMT forms the lookup address (8B decode step at M = 1: 1666 -> 1634 us, same call).
 //       K=5: as K=4 plus the 5th plane merged into byte-wide fields; single-value shuffle
 //            lookups (32-entry table = 32 lanes) and one PRMT per pair.
 //     A pair always holds two elements of one column and one block; since the MMA sums over
@@ -53,6 +55,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #include <cooperative_groups.h>
 #endif
@@ -127,7 +130,7 @@ __device__ __forceinline__ void load_stage(Stage<BITS, MT>& st, const Params& p,
 }
 
 // Decode one unit and accumulate (see the file comment for the scheme).
-template <int BITS, int MT, typename T>
+template <int BITS, int MT, typename T, bool kWideLut>
 __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (&acc)[kPairsPerLane][MT][4],
                                               uint32_t lut_addr, uint32_t table) {
 #pragma unroll
@@ -150,7 +153,7 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
       uint32_t planes[BITS];
 #pragma unroll
       for (int b = 0; b < BITS; ++b) planes[b] = comp(st.w[b], w);
-      Decoder<BITS, T> dec;
+      Decoder<BITS, T, kWideLut> dec;
       dec.load(planes);
       // absmax codes of columns q = 0..3 of this word: (code << 6) as fp16 is E4M4 / 16
       const uint32_t codes = comp(st.a, w);
@@ -186,22 +189,35 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
   }
 }
 
+// The one-CTA-per-SM configurations (kWideWarps, and every M > 8 one) of K=3,4 read a pair
+// table with wide rows (PairTable::kWideLutBytes): one instruction less per pair (Decoder), for
+// up to 64 KB of padding and twice the table, which only a CTA alone on its SM can spare.
+// KBIT_GEMV_WIDE_LUT=0 (read once) takes the packed table instead (A/B).
+template <int BITS, int MT, int W> constexpr bool wide_lut() {
+  return Traits<BITS>::kLutEntries > 0 && min_blocks<MT, W>() == 1;
+}
+
 // Shared memory of one CTA: the pair table (K=3,4), reused after the main loop for the
-// cross-warp reduction scratch, then the partial sums the cluster reads.
-template <int BITS, int MT, int W> struct Smem {
+// cross-warp reduction scratch, then the partial sums the cluster reads. With wide rows the
+// table starts at the first 64 KB-aligned shared address (kPad bytes reserved for the gap).
+template <int BITS, int MT, int W, bool kWide> struct Smem {
   static constexpr int kAcc = kPairsPerLane * MT * 4;                  // floats per lane
-  static constexpr int kLutBytes = Traits<BITS>::kLutBytes;
+  static constexpr int kLutBytes = kWide ? Traits<BITS>::kWideLutBytes : Traits<BITS>::kLutBytes;
   static constexpr int kRedBytes = W * kAcc * 32 * 4;
-  static constexpr int kPart = kLutBytes > kRedBytes ? kLutBytes : kRedBytes;
-  static constexpr int kBytes = kPart + kAcc * 32 * 4;
-  static_assert(kBytes <= 48 * 1024, "fits without the dynamic shared memory opt-in");
+  static constexpr int kPart = kLutBytes > kRedBytes ? kLutBytes : kRedBytes;  // from the table's start
+  static constexpr int kPad = kWide ? 65536 - 16 : 0;
+  static constexpr int kBytes = kPad + kPart + kAcc * 32 * 4;
+  static_assert(kWide || kBytes <= 48 * 1024, "fits without the dynamic shared memory opt-in");
 };
 
-template <int BITS, int MT, typename T, int W>
+template <int BITS, int MT, typename T, int W, bool kWide>
 __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(const Params p) {
   constexpr int kWarps = W, kThreads = W * 32;
-  extern __shared__ __align__(16) uint32_t smem[];
-  using S = Smem<BITS, MT, W>;
+  extern __shared__ __align__(16) uint32_t smem_raw[];
+  using S = Smem<BITS, MT, W, kWide>;
+  const uint32_t smem_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
+  const uint32_t lut_base = kWide ? (smem_addr + 0xFFFFu) & ~0xFFFFu : smem_addr;
+  uint32_t* smem = smem_raw + (lut_base - smem_addr) / 4;  // the table, then the reduction
   constexpr int kAcc = S::kAcc;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nu = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
@@ -210,10 +226,11 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
 
   wait_prior_grids();  // programmatic dependent launch (kbit_common.cuh)
   // ---- codebook table: in the lanes (K=2: pair table, K=5: values) or in shared memory
-  const uint32_t table = init_codebook<BITS, T>(p.codebook, 1.0f, smem, threadIdx.x, kThreads);
+  const uint32_t table = init_codebook<BITS, T, kWide>(p.codebook, 1.0f, smem, threadIdx.x, kThreads);
   if constexpr (Traits<BITS>::kLutEntries > 0) __syncthreads();
-  // entry v of replica `lane` is the word 32 v + lane (bank = lane)
-  const uint32_t lut_addr = opaque(uint32_t(__cvta_generic_to_shared(smem)) + 4u * (lane % kLutReplicas));
+  // entry v of replica r is the word 32 v + r (bank r), 64 v + r with wide rows; lane l reads
+  // replica l % kLutReplicas. Wide rows: the PRMT key (kbit_decode.cuh, Decoder::pair).
+  const uint32_t lut_addr = opaque(kWide ? (lut_base & 0xFFFF0000u) | (4u * lane) : lut_base + 4u * (lane % kLutReplicas));
 
   float acc[kPairsPerLane][MT][4];
 #pragma unroll
@@ -240,7 +257,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
         const int nxt = it + kStages - 1;
         if (nxt < n_iter)
           load_stage<BITS, MT, T>(st[(s + kStages - 1) % kStages], p, nu, ku_begin + warp + nxt * kWarps, lane);
-        compute_stage<BITS, MT, T>(st[s], acc, lut_addr, table);
+        compute_stage<BITS, MT, T, kWide>(st[s], acc, lut_addr, table);
       }
     }
   }
@@ -306,12 +323,18 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
 }
 
 // Launch one instantiation; `splits` >= 1 already chosen (and 1 below sm_90).
-template <int BITS, int MT, typename T, int W>
+template <int BITS, int MT, typename T, int W, bool kWide = false>
 cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
+  using S = Smem<BITS, MT, W, kWide>;
+  const auto kernel = gemv_kernel<BITS, MT, T, W, kWide>;
+  if constexpr (S::kBytes > 48 * 1024) {
+    static const cudaError_t opt_in = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes);
+    if (opt_in != cudaSuccess) return opt_in;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(n_units(p.n), splits, 1);
   cfg.blockDim = dim3(W * 32, 1, 1);
-  cfg.dynamicSmemBytes = Smem<BITS, MT, W>::kBytes;
+  cfg.dynamicSmemBytes = S::kBytes;
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
   cfg.attrs = attr;
@@ -328,13 +351,24 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
     attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
     ++cfg.numAttrs;
   }
-  return cudaLaunchKernelEx(&cfg, gemv_kernel<BITS, MT, T, W>, p);
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+// One CTA-per-SM configuration, with the wide-row table unless KBIT_GEMV_WIDE_LUT=0.
+template <int BITS, int MT, typename T, int W>
+cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
+  static const bool wide_off = [] {
+    const char* f = std::getenv("KBIT_GEMV_WIDE_LUT");
+    return f != nullptr && f[0] == '0';
+  }();
+  if (!wide_off) return launch_t<BITS, MT, T, W, wide_lut<BITS, MT, W>()>(p, splits, stream);
+  return launch_t<BITS, MT, T, W>(p, splits, stream);
 }
 
 template <int BITS, typename T>
 cudaError_t launch_dt(const Params& p, int splits, int warps, cudaStream_t stream) {
-  if (p.m > kGemvOneTileM) return launch_t<BITS, 2, T, kWarps>(p, splits, stream);
-  if (warps == kWideWarps) return launch_t<BITS, 1, T, kWideWarps>(p, splits, stream);
+  if (p.m > kGemvOneTileM) return launch_alone<BITS, 2, T, kWarps>(p, splits, stream);
+  if (warps == kWideWarps) return launch_alone<BITS, 1, T, kWideWarps>(p, splits, stream);
   if (warps == kNarrowWarps) return launch_t<BITS, 1, T, kNarrowWarps>(p, splits, stream);
   return launch_t<BITS, 1, T, kWarps>(p, splits, stream);
 }
