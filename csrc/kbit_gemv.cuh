@@ -37,9 +37,9 @@
 //   * E4M4 absmax: fp16 bits (code << 6) == E4M4(code) / 16 exactly (kbit_layout.cuh), two
 //     codes per shift; the 16 is applied once in the epilogue.
 //
-// Where it stands (benchmarks/results, H200): K=4, M=1 at 0.68-0.92x Marlin g128's time on the
-// six benchmark shapes (L2 flushed, up to 73% of the copy bandwidth); the GEMMs of an 8B decode
-// step in one CUDA graph take 1635-1666 us at M=1 against Marlin's 2145 (bench_decode.py). What
+// Where it stands (benchmarks/results, H200, ce7f8ad): K=4, M=1 at 0.66-0.91x Marlin g128's time
+// on the six benchmark shapes (L2 flushed, up to 72% of the copy bandwidth); the GEMMs of an 8B
+// decode step in one CUDA graph take 1608 us at M=1 against Marlin's 2149 (bench_decode.py). What
 // got it there: K=4's layout stores the nibble words (no transpose here), 16-warp CTAs where
 // the grid has at most one CTA per SM, one-wave split-K, 4-warp CTAs where the slabs fit four
 // per SM (28672x4096: 24.7 -> 23.3 us in the graph). At 8 < M <= 16 layers with a slab per SM

@@ -15,7 +15,7 @@
 //     CTA = one warpgroup (256 columns); or two sharing one x tile (512 columns, half the x
 //     traffic per weight; only when forced since the TMA loads, plan_t); or two that split each
 //     unit's row tiles between them (row split R = 2: at MT = 128 so that the accumulators fit,
-//     at MT = 64 and short-K MT <= 32 for 16 warps per SM, plan_t).
+//     at MT = 64 and short-K MT = 32 for 16 warps per SM, plan_t).
 //   * per 32-block: decode (kbit_decode.cuh: the GEMV's pair tables, codebook pre-multiplied
 //     by the E4M4 constant, then one HMUL2 by the block's scale) -> 8 wgmma (4 row tiles x
 //     2 k16 steps) into two alternating A buffers: block b+1 decodes while block b multiplies
@@ -654,7 +654,7 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
 
 // Debug overrides for tuning, read on every call, unset in production:
 // KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128, KBIT_WGMMA_WIDE = 1 (512-column CTAs at tiles <= 64),
-// KBIT_WGMMA_SPREAD = 0 (never launch spread) and KBIT_WGMMA_ROWSPLIT = 1 | 2 (at MT <= 32).
+// KBIT_WGMMA_SPREAD = 0 (never launch spread) and KBIT_WGMMA_ROWSPLIT = 1 | 2 (at MT = 32).
 inline int env_int(const char* name, int fallback) {
   const char* f = std::getenv(name);
   return f != nullptr && *f != '\0' ? std::atoi(f) : fallback;
@@ -665,27 +665,33 @@ inline int tile_m(int m) {
   return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
 }
 
-// The instantiations a plan can pick, (MT, CN, R): 512-column CTAs without a row split; R = 2
-// at MT = 64 and 128; R = 1 or 2 at MT = 16 and 32.
+// The instantiations a plan can pick, (MT, CN, R): 512-column CTAs without a row split; R = 1
+// at MT = 16; R = 1 or 2 at MT = 32; R = 2 at MT = 64 and 128.
 template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn, int rs) {
   if (cn == 512)
     return mt == 16 ? occupancy<BITS, 16, 512, 1, T>() : mt == 32 ? occupancy<BITS, 32, 512, 1, T>()
                                                          : occupancy<BITS, 64, 512, 1, T>();
   switch (mt) {
-    case 16: return rs == 2 ? occupancy<BITS, 16, 256, 2, T>() : occupancy<BITS, 16, 256, 1, T>();
+    case 16: return occupancy<BITS, 16, 256, 1, T>();
     case 32: return rs == 2 ? occupancy<BITS, 32, 256, 2, T>() : occupancy<BITS, 32, 256, 1, T>();
     case 64: return occupancy<BITS, 64, 256, 2, T>();
     default: return occupancy<BITS, 128, 256, 2, T>();
   }
 }
 
-// Row split (Cfg) of a 256-column CTA. Measured on the H200 (wgmma_dev.py, R = 1 against 2 at
-// MT <= 64, same call, K=4 fp16, L2 flushed, us):
-//   * MT = 64: R = 2 is never slower: 4096x4096 20.6 -> 18.0, 4096x14336 41.2 -> 37.5,
-//     28672x4096 51.8 -> 49.8, 57344x8192 161.8 -> 161.4, 8192x28672 88.6 -> 88.6.
-//   * MT = 16 / 32: R = 2 wins where a CTA runs few K-tiles (4096x14336 at M = 16, 38 per CTA:
-//     34.5 -> 32.1; 4096x4096, 11: 16.4 -> 14.6) and loses where it runs many (57344x8192, 128:
-//     124.3 -> 130.2; 8192x28672 at M = 32, 64: 74.0 -> 76.5). So R = 2 up to kShortChunk.
+// Row split (Cfg) of a 256-column CTA. Measured on the H200 (wgmma_dev.py, K=4 fp16, L2
+// flushed, R = 1 against 2 in the same call, us; and decode steps of bench_decode.py):
+//   * MT = 64: R = 2 is never slower at K=4: 4096x4096 20.6 -> 18.0, 4096x14336 41.2 -> 37.5,
+//     28672x4096 51.8 -> 49.8, 57344x8192 161.8 -> 161.4, 8192x28672 88.6 -> 88.6 (K = 2, 3, 5
+//     not measured with R = 1 here).
+//   * MT = 32: R = 2 wins where a CTA runs few K-tiles (4096x14336, 38 per CTA: 36.0 -> 34.8;
+//     4096x4096, 11: 17.4 -> 17.0) and loses where it runs many (57344x8192, 128: 134.0 ->
+//     138.8; 8192x28672, 64: 74.0 -> 76.5), so R = 2 up to kShortChunk K-tiles. The 8B decode
+//     step at M = 32 (every layer <= 38 per CTA), R = 1 -> 2: K=2 2862 -> 2745, K=3 3423 ->
+//     3271, K=4 3169 -> 3135, K=5 4281 -> 4158 us.
+//   * MT = 16 (what dispatch sends here: layers of >= one slab per SM at 8 < M <= 16): R = 1.
+//     The same step at M = 16 (28672x4096 on this kernel), R = 2 -> 1: K=2 2725 -> 2362,
+//     K=4 2579 -> 2543 us (K=3, K=5 within 0.6%).
 //   * R = 4 (one 512-thread CTA per SM, one row tile per warpgroup; a probe build) was slower
 //     wherever a grid needs more than one wave: 57344x8192 at M = 64 161.8 -> 230.0 us.
 constexpr int kShortChunk = 48;
@@ -711,9 +717,9 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
   s = s < 1 ? 1 : s > kMaxSplits ? kMaxSplits : s > p.ku_count ? p.ku_count : s;
   p.chunk = div_up(p.ku_count, s);
   s = div_up(p.ku_count, p.chunk);  // no empty CTA
-  int rs = cn == 512 ? 1 : mt >= 64 || p.chunk <= kShortChunk ? 2 : 1;
+  int rs = cn == 512 || mt == 16 ? 1 : mt >= 64 || p.chunk <= kShortChunk ? 2 : 1;
   const int rs_force = env_int("KBIT_WGMMA_ROWSPLIT", 0);
-  if (cn == 256 && mt <= 32 && (rs_force == 1 || rs_force == 2)) rs = rs_force;
+  if (cn == 256 && mt == 32 && (rs_force == 1 || rs_force == 2)) rs = rs_force;
   const Occupancy& occ = occupancy_for<BITS, T>(mt, cn, rs);
   const bool spread = fits_spread(occ, (long long)gy * gz * s, num_sms) && env_int("KBIT_WGMMA_SPREAD", 1) != 0;
   out[0] = mt; out[1] = s; out[2] = s; out[3] = gz; out[4] = gy; out[5] = cn; out[6] = spread ? 1 : occ.per_sm;
@@ -736,7 +742,7 @@ cudaError_t launch_t2(Params p, int splits, int num_sms, cudaStream_t stream, in
     }
   }
   switch (pl[0]) {
-    case 16: return r2 ? launch_t<BITS, 16, 256, 2, T>(p, pl[1], spread, stream) : launch_t<BITS, 16, 256, 1, T>(p, pl[1], spread, stream);
+    case 16: return launch_t<BITS, 16, 256, 1, T>(p, pl[1], spread, stream);
     case 32: return r2 ? launch_t<BITS, 32, 256, 2, T>(p, pl[1], spread, stream) : launch_t<BITS, 32, 256, 1, T>(p, pl[1], spread, stream);
     case 64: return launch_t<BITS, 64, 256, 2, T>(p, pl[1], spread, stream);
     default: return launch_t<BITS, 128, 256, 2, T>(p, pl[1], spread, stream);

@@ -89,11 +89,11 @@ def test_wide_ctas(m, monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("m", [13, 16, 17, 32])
-def test_row_split_small_tiles(m, rows, monkeypatch):
-    # 16- and 32-token tiles run with one warpgroup per CTA or two sharing its slabs (each
-    # decodes half of every unit's row tiles), by the plan's K-tiles-per-CTA rule; both forced
-    # here, with splits on and off, every bit width and dtype.
+@pytest.mark.parametrize("m", [17, 32])
+def test_row_split(m, rows, monkeypatch):
+    # 32-token tiles run with one warpgroup per CTA or two sharing its slabs (each decodes half
+    # of every unit's row tiles), as the plan picks them; both forced here, with splits on and
+    # off, every bit width and dtype. (16-token tiles: one; 64 and 128: two; every test above.)
     monkeypatch.setenv("KBIT_WGMMA_ROWSPLIT", str(rows))
     assert plan(m, 1000, 4128, 4)["row_split"] == rows
     for bits, dtype, splits in ((2, torch.float16, 0), (3, torch.bfloat16, 3), (4, torch.float16, 1),
@@ -102,16 +102,15 @@ def test_row_split_small_tiles(m, rows, monkeypatch):
 
 
 def test_row_split_plan():
-    # two warpgroups per 64- and 128-token tile; at 16 / 32 tokens only where a CTA runs at most
-    # 48 K-tiles (kShortChunk)
+    # one warpgroup at 16 tokens; two at 64 and 128; at 32 where a CTA runs <= 48 K-tiles
+    # (kShortChunk)
+    assert plan(16, 57344, 8192, 4)["row_split"] == 1 and plan(9, 1000, 4128, 4)["row_split"] == 1
     for m in (64, 200):
         assert plan(m, 57344, 8192, 4)["row_split"] == 2
-    for m in (16, 32):
-        p_short = plan(m, 4096, 14336, 4)
-        assert p_short["row_split"] == (2 if -(-224 // p_short["splits"]) <= 48 else 1), p_short
-        p_long = plan(m, 57344, 8192, 4)
-        assert p_long["row_split"] == (2 if -(-128 // p_long["splits"]) <= 48 else 1), p_long
-    assert plan(16, 1000, 4128, 4)["cols"] == 256
+    p_short = plan(32, 4096, 14336, 4)
+    assert p_short["row_split"] == (2 if -(-224 // p_short["splits"]) <= 48 else 1), p_short
+    p_long = plan(32, 57344, 8192, 4)
+    assert p_long["row_split"] == (2 if -(-128 // p_long["splits"]) <= 48 else 1), p_long
 
 
 def test_plans_use_split_k_and_not():
