@@ -696,16 +696,16 @@ template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn, i
 //     wherever a grid needs more than one wave: 57344x8192 at M = 64 161.8 -> 230.0 us.
 constexpr int kShortChunk = 48;
 
-// The plan of one call: [tile_m, splits, grid x (splits), grid y (token tiles), grid z
-// (column groups), columns per CTA, CTAs per SM the launch allows (1 when spread), row split].
-// `splits` > 0 forces the split factor (clamped to 1..min(8, K-tiles)).
-
 // 512-column CTAs (two warpgroups sharing one x tile) halve the x traffic per weight but halve
 // the CTA count. With x loaded by cp.async they were 5-7% faster at M = 32..64 on 57344x8192
 // and 28672x4096; since the TMA loads (538d5d1) 256-column CTAs are equal or faster on all six
 // benchmark shapes at M = 16, 32, 64 (57344x8192 M = 64: 161.9 vs 170.0 us, 28672x4096: 50.8
 // vs 55.2; bench_gemm.py with KBIT_WGMMA_WIDE=0 / 1 / unset, same call, H200). So the plan
 // takes them only when forced (KBIT_WGMMA_WIDE=1, for tuning and the tests).
+//
+// The plan of one call: [tile_m, splits, grid x (splits), grid y (token tiles), grid z
+// (column groups), columns per CTA, CTAs per SM the launch allows (1 when spread), row split].
+// `splits` > 0 forces the split factor (clamped to 1..min(8, K-tiles)).
 template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, int* out) {
   const int mt = tile_m(p.m);
   const int gz = div_up(p.m, mt);
