@@ -106,9 +106,10 @@ __device__ __forceinline__ uint32_t shfl_lut(uint32_t table, uint32_t lane_bits)
   return r;
 }
 
-// 32-bit shared-window load. The GEMV table lookups use it with an address computed as
-// (lane's replica base) + (entry << 7), one LEA; given a plain C++ index the compiler
-// rebuilds ((entry << 5) | lane) * 4 + base, which costs three integer ops instead of one.
+// 32-bit shared-window load. The pair-table lookups (kbit_decode.cuh) use it with an address
+// computed as (lane's replica base) + (entry << kRowShift), one LEA, or with wide rows as one
+// PRMT; given a plain C++ index the compiler rebuilds ((entry << 5) | lane) * 4 + base, which
+// costs three integer ops instead of one.
 // volatile: keeps it after the __syncthreads that publishes the table.
 __device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
   uint32_t r;

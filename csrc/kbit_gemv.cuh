@@ -191,10 +191,38 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
 
 // The one-CTA-per-SM configurations (kWideWarps, and every M > 8 one) of K=3,4 read a pair
 // table with wide rows (PairTable::kWideLutBytes): one instruction less per pair (Decoder), for
-// up to 64 KB of padding and twice the table, which only a CTA alone on its SM can spare.
-// KBIT_GEMV_WIDE_LUT=0 (read once) takes the packed table instead (A/B).
+// up to 64 KB of padding and twice the table, which only a CTA alone on its SM can spare, and
+// only where the device lets one CTA have that much (100-133 KB: sm_80 and sm_90 do, sm_86 /
+// sm_89 allow 99 KB and take the packed table, launch_alone). KBIT_GEMV_WIDE_LUT=0 (read once)
+// takes the packed table everywhere (A/B).
 template <int BITS, int MT, int W> constexpr bool wide_lut() {
-  return Traits<BITS>::kLutEntries > 0 && min_blocks<MT, W>() == 1;
+  return Traits<BITS>::kLutEntries > 0 && min_blocks<MT, W>() == 1 && kLutReplicas == 32;
+}
+
+// Whether the current device lets one CTA have `bytes` of dynamic shared memory (cached per
+// device: the attribute query is not free on every call).
+inline bool device_allows_smem(int bytes) {
+  static int optin[64];  // per device: 0 unknown, else the opt-in limit + 1
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (optin[dev] == 0) {
+    int v = 0;
+    cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    optin[dev] = v + 1;
+  }
+  return bytes <= optin[dev] - 1;
+}
+
+// The dynamic shared memory opt-in of `kernel`, once per device (it is a per-device setting).
+template <typename K> cudaError_t opt_in_smem(K kernel, int bytes) {
+  static bool done[64];
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev >= 0 && dev < 64 && done[dev]) return cudaSuccess;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess && dev >= 0 && dev < 64) done[dev] = true;
+  return e;
 }
 
 // Shared memory of one CTA: the pair table (K=3,4), reused after the main loop for the
@@ -328,8 +356,8 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
   using S = Smem<BITS, MT, W, kWide>;
   const auto kernel = gemv_kernel<BITS, MT, T, W, kWide>;
   if constexpr (S::kBytes > 48 * 1024) {
-    static const cudaError_t opt_in = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes);
-    if (opt_in != cudaSuccess) return opt_in;
+    const cudaError_t e = opt_in_smem(kernel, S::kBytes);
+    if (e != cudaSuccess) return e;
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(n_units(p.n), splits, 1);
@@ -354,14 +382,18 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-// One CTA-per-SM configuration, with the wide-row table unless KBIT_GEMV_WIDE_LUT=0.
+// One CTA-per-SM configuration, with the wide-row table where it applies and the device has
+// the shared memory for it, unless KBIT_GEMV_WIDE_LUT=0.
 template <int BITS, int MT, typename T, int W>
 cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
-  static const bool wide_off = [] {
-    const char* f = std::getenv("KBIT_GEMV_WIDE_LUT");
-    return f != nullptr && f[0] == '0';
-  }();
-  if (!wide_off) return launch_t<BITS, MT, T, W, wide_lut<BITS, MT, W>()>(p, splits, stream);
+  if constexpr (wide_lut<BITS, MT, W>()) {
+    static const bool wide_off = [] {
+      const char* f = std::getenv("KBIT_GEMV_WIDE_LUT");
+      return f != nullptr && f[0] == '0';
+    }();
+    if (!wide_off && device_allows_smem(Smem<BITS, MT, W, true>::kBytes))
+      return launch_t<BITS, MT, T, W, true>(p, splits, stream);
+  }
   return launch_t<BITS, MT, T, W>(p, splits, stream);
 }
 

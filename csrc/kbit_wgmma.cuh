@@ -11,7 +11,8 @@
 //     exactly the lane-local fragments of kbit_layout.cuh (no data crosses lanes or warps).
 //     A wgmma m64 tile takes rows 16w..16w+15 from warp w, so row tile `pr` of the four warps'
 //     units forms one m64 (rows permuted across slabs; the epilogue maps them back): four
-//     accumulator sets of 64 x MT per warpgroup, 256 columns x MT tokens, 2 MT fp32 / thread.
+//     accumulator sets of 64 x MT per warpgroup, 256 columns x MT tokens, 2 MT fp32 / thread
+//     (with a row split R = 2: two sets, MT fp32 / thread).
 //     CTA = one warpgroup (256 columns); or two sharing one x tile (512 columns, half the x
 //     traffic per weight; only when forced since the TMA loads, plan_t); or two that split each
 //     unit's row tiles between them (row split R = 2: at MT = 128 so that the accumulators fit,
@@ -102,7 +103,7 @@ template <int BITS, int MT, int CN, int R> struct Cfg {
   static constexpr int kWBytes = kSlabsCta * kUnitBytes;    // one K-tile of W (the slabs' units)
   static constexpr int kStageBytes = kXBytes + (kWBytes + 1023) / 1024 * 1024;  // x tile, then W (1 KB steps)
   static constexpr int kLutOff = 0;
-  static constexpr int kStageOff = PairTable<BITS>::kLutBytes;  // a multiple of 1 KB (128 B per entry)
+  static constexpr int kStageOff = PairTable<BITS>::kLutBytes;  // a multiple of 1 KB (4 kLutReplicas B per entry)
   // Stages: as deep as fits next to the table in half an SM's shared memory (two CTAs per SM)
   // or a whole SM's (one), capped at 8. Tile t's stage
   // is refilled with tile t + kStages at iteration t + 2 (the wgmmas of tile t may still read
@@ -388,7 +389,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
                                                 reinterpret_cast<uint32_t*>(smem + C::kLutOff), tid, kThreads);
   const uint32_t lut_addr = opaque(base + C::kLutOff + 4u * (lane % kLutReplicas));
 
-  // two A buffers: block b+1 decodes while block b multiplies (<= 255 registers, no spills)
+  // two A buffers: block b+1 decodes while block b multiplies (no spills: <= 255 registers, or
+  // <= 128 for two 256-thread CTAs per SM, where K=5 at MT = 64 uses all 128 under CUDA 13)
   uint32_t A[2][kSets][2][4];
   for (int t = 0; t < nt; ++t) {
     stage_wait(bar0 + 8 * (t % C::kStages), (t / C::kStages) & 1);  // x and W of tile t have landed
