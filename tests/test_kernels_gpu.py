@@ -8,6 +8,9 @@ Every gemm call sees fresh random inputs and an output buffer the caching alloca
 back from a NaN-filled block (so an unwritten element shows up as NaN).
 """
 import functools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -176,6 +179,42 @@ def test_gemv_cta_sizes(bits, dtype):
                          (64 * 4 * sms + 8, 1056, 0)]:
         for m in (1, 6, 8):
             _check_gemm(n, k, bits, dtype, m, path=PATH_GEMV, splits=splits, bias=(m == 6))
+
+
+_PACKED_VS_WIDE = r"""
+import sys
+import torch
+from vllm_kbit import format as kf
+from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+out = []
+n, k = 1000, 2080
+for bits in (3, 4):
+    g = torch.Generator(device="cuda").manual_seed(bits)
+    qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 32 * bits), generator=g, device="cuda", dtype=torch.int32)
+    absmax = torch.randint(0x28, 0xA8, (n, k // 32), generator=g, device="cuda", dtype=torch.int32).to(torch.uint8)
+    packed, ap = torch.ops.kbit.repack(qweight, absmax, bits)
+    cb = kf.normal_float_codebook(bits, "cuda")
+    for m in (1, 16):
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        out.append(torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, 0).cpu())
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_gemv_packed_table_equals_wide_rows(tmp_path):
+    """The GEMV CTAs alone on their SM (16 warps at M <= 8, every M > 8 one) read the wide-row
+    pair table (K=3,4) where the device has the shared memory for it, the packed table
+    elsewhere (sm_86 / sm_89) or with KBIT_GEMV_WIDE_LUT=0; both must give the same bits (same
+    values, same order). The switch is read once per process: one subprocess each."""
+    outs = {}
+    for flag in ("1", "0"):
+        f = tmp_path / f"y{flag}.pt"
+        subprocess.run([sys.executable, "-c", _PACKED_VS_WIDE, str(f)], check=True, timeout=300,
+                       env=dict(os.environ, KBIT_GEMV_WIDE_LUT=flag))
+        outs[flag] = torch.load(f)
+    assert len(outs["1"]) == len(outs["0"]) == 4
+    for a, b in zip(outs["1"], outs["0"]):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("bits", [3, 4])
