@@ -63,9 +63,10 @@ __global__ void __launch_bounds__(kDqThreads) dequant_kernel(const uint32_t* __r
       const int wsel = 2 * (jl & 1) + (j >> 2), q = j & 3;
       // per t: the BITS plane words of lane (g, t) (for K=4 the layout's nibble words, transposed
       // back to planes: the transpose is its own inverse); column q's 8 elements of this block
-      // sit at bits e = 0..7 of byte q, and their index bits are gathered plane by plane. Measured: the lean form through IndexWords
-      // (nibble fields, ~1/3 of the integer ops) ran 1.3x slower on the H200, 728 vs 550 us on
-      // 57344x8192 K=4, with the L2 at 78% of its throughput (ncu) and DRAM at 38%.
+      // sit at bits e = 0..7 of byte q, and their index bits are gathered plane by plane.
+      // Measured: the lean form through IndexWords (nibble fields, ~1/3 of the integer ops) ran
+      // 1.3x slower on the H200, 728 vs 550 us on 57344x8192 K=4, with the L2 at 78% of its
+      // throughput (ncu) and DRAM at 38%.
       uint32_t index[kBlock];
 #pragma unroll
       for (int i = 0; i < kBlock; ++i) index[i] = 0;

@@ -2,8 +2,6 @@
 // instantiations (generated/gemv_k<B>.cu). See kbit_gemv.cuh for the kernel design.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-
 #include "kbit_gemv.cuh"
 #include "kbit_ops.h"
 
@@ -82,10 +80,7 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   if (s > p.ku_count) s = p.ku_count;
   if (!clusters) s = 1;
   p.chunk = div_up(p.ku_count, s);
-  static const int force_warps = [] {
-    const char* f = std::getenv("KBIT_GEMV_WARPS");
-    return f != nullptr ? std::atoi(f) : 0;
-  }();
+  static const int force_warps = env_int("KBIT_GEMV_WARPS", 0);
   int warps = plan.warps;
   if (force_warps == gemv::kNarrowWarps || force_warps == gemv::kWarps || force_warps == gemv::kWideWarps)
     warps = force_warps;

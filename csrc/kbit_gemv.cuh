@@ -55,7 +55,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #include <cooperative_groups.h>
 #endif
@@ -197,20 +196,6 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
 // takes the packed table everywhere (A/B).
 template <int BITS, int MT, int W> constexpr bool wide_lut() {
   return Traits<BITS>::kLutEntries > 0 && min_blocks<MT, W>() == 1 && kLutReplicas == 32;
-}
-
-// Whether the current device lets one CTA have `bytes` of dynamic shared memory (cached per
-// device: the attribute query is not free on every call).
-inline bool device_allows_smem(int bytes) {
-  static int optin[64];  // per device: 0 unknown, else the opt-in limit + 1
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (optin[dev] == 0) {
-    int v = 0;
-    cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    optin[dev] = v + 1;
-  }
-  return bytes <= optin[dev] - 1;
 }
 
 // The dynamic shared memory opt-in of `kernel`, once per device (it is a per-device setting).
@@ -387,11 +372,8 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
 template <int BITS, int MT, typename T, int W>
 cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
   if constexpr (wide_lut<BITS, MT, W>()) {
-    static const bool wide_off = [] {
-      const char* f = std::getenv("KBIT_GEMV_WIDE_LUT");
-      return f != nullptr && f[0] == '0';
-    }();
-    if (!wide_off && device_allows_smem(Smem<BITS, MT, W, true>::kBytes))
+    static const bool wide_off = env_off("KBIT_GEMV_WIDE_LUT");
+    if (!wide_off && Smem<BITS, MT, W, true>::kBytes <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>())
       return launch_t<BITS, MT, T, W, true>(p, splits, stream);
   }
   return launch_t<BITS, MT, T, W>(p, splits, stream);

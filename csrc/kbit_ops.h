@@ -63,27 +63,39 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
 // Bytes of `workspace` launch_gemv needs (0: its split-K reduces through cluster shared memory).
 size_t gemv_workspace_bytes(int m, int n, int k, int bits, int num_sms);
 
-// Compute capability >= 9.0 on the current device (thread-block clusters, programmatic
-// dependent launch), cached per device.
-inline bool device_is_sm90_or_newer() {
-  static int cached[64];  // per device: 0 unknown, 1 no, 2 yes
+// Attribute A of the current device, queried once per device (the launch paths ask on every
+// call); -1 where there is no current device.
+template <cudaDeviceAttr A> inline int device_attribute() {
+  static int cached[64];  // per device: value + 1, 0 = not asked yet
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return -1;
   if (cached[dev] == 0) {
-    int major = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cached[dev] = major >= 9 ? 2 : 1;
+    int v = 0;
+    cudaDeviceGetAttribute(&v, A, dev);
+    cached[dev] = v + 1;
   }
-  return cached[dev] == 2;
+  return cached[dev] - 1;
+}
+
+// Compute capability >= 9.0 on the current device (thread-block clusters, programmatic
+// dependent launch).
+inline bool device_is_sm90_or_newer() { return device_attribute<cudaDevAttrComputeCapabilityMajor>() >= 9; }
+
+// Tuning overrides from the environment: an integer (`fallback` when unset or empty), and a
+// switch that "0..." turns off.
+inline int env_int(const char* name, int fallback) {
+  const char* f = std::getenv(name);
+  return f != nullptr && *f != '\0' ? std::atoi(f) : fallback;
+}
+inline bool env_off(const char* name) {
+  const char* f = std::getenv(name);
+  return f != nullptr && f[0] == '0';
 }
 
 // Whether the GEMV and wgmma kernels are launched with programmatic dependent launch
 // (kbit_common.cuh, wait_prior_grids): on compute capability >= 9.0 unless KBIT_PDL=0.
 inline bool use_pdl() {
-  static const bool disabled = [] {
-    const char* f = std::getenv("KBIT_PDL");
-    return f != nullptr && f[0] == '0';
-  }();
+  static const bool disabled = env_off("KBIT_PDL");
   return !disabled && device_is_sm90_or_newer();
 }
 

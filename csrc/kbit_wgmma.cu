@@ -30,16 +30,8 @@ cudaError_t dispatch(DType dtype, const Params& p, int bits, int splits, int num
 // TORCH_CUDA_ARCH_LIST names 9.0a), and runs only on compute capability 9.0 exactly.
 bool wgmma_supported() {
 #ifdef KBIT_HAS_SM90A
-  static int cached[64];  // per device: 0 unknown, 1 no, 2 yes
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (cached[dev] == 0) {
-    int major = 0, minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    cached[dev] = major == 9 && minor == 0 ? 2 : 1;
-  }
-  return cached[dev] == 2;
+  return device_attribute<cudaDevAttrComputeCapabilityMajor>() == 9 &&
+         device_attribute<cudaDevAttrComputeCapabilityMinor>() == 0;
 #else
   return false;
 #endif

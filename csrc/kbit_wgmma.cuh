@@ -42,7 +42,6 @@
 #include <cudaTypedefs.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #include <cooperative_groups.h>
@@ -657,10 +656,6 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
 // Debug overrides for tuning, read on every call, unset in production:
 // KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128, KBIT_WGMMA_WIDE = 1 (512-column CTAs at tiles <= 64),
 // KBIT_WGMMA_SPREAD = 0 (never launch spread) and KBIT_WGMMA_ROWSPLIT = 1 | 2 (at MT = 32).
-inline int env_int(const char* name, int fallback) {
-  const char* f = std::getenv(name);
-  return f != nullptr && *f != '\0' ? std::atoi(f) : fallback;
-}
 inline int tile_m(int m) {
   const int t = env_int("KBIT_WGMMA_TILE_M", 0);
   if (t == 16 || t == 32 || t == 64 || t == 128) return t;
@@ -668,17 +663,28 @@ inline int tile_m(int m) {
 }
 
 // The instantiations a plan can pick, (MT, CN, R): 512-column CTAs without a row split; R = 1
-// at MT = 16; R = 1 or 2 at MT = 32; R = 2 at MT = 64 and 128.
-template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn, int rs) {
-  if (cn == 512)
-    return mt == 16 ? occupancy<BITS, 16, 512, 1, T>() : mt == 32 ? occupancy<BITS, 32, 512, 1, T>()
-                                                         : occupancy<BITS, 64, 512, 1, T>();
-  switch (mt) {
-    case 16: return occupancy<BITS, 16, 256, 1, T>();
-    case 32: return rs == 2 ? occupancy<BITS, 32, 256, 2, T>() : occupancy<BITS, 32, 256, 1, T>();
-    case 64: return occupancy<BITS, 64, 256, 2, T>();
-    default: return occupancy<BITS, 128, 256, 2, T>();
+// at MT = 16; R = 1 or 2 at MT = 32; R = 2 at MT = 64 and 128. Calls f(MT, CN, R) with the
+// one the plan names, as integral constants (the single list both the occupancy queries and
+// the launch go through).
+template <int V> using IntC = std::integral_constant<int, V>;
+template <typename F> decltype(auto) with_instantiation(int mt, int cn, int rs, F&& f) {
+  if (cn == 512) {
+    if (mt == 16) return f(IntC<16>{}, IntC<512>{}, IntC<1>{});
+    if (mt == 32) return f(IntC<32>{}, IntC<512>{}, IntC<1>{});
+    return f(IntC<64>{}, IntC<512>{}, IntC<1>{});
   }
+  switch (mt) {
+    case 16: return f(IntC<16>{}, IntC<256>{}, IntC<1>{});
+    case 32: return rs == 2 ? f(IntC<32>{}, IntC<256>{}, IntC<2>{}) : f(IntC<32>{}, IntC<256>{}, IntC<1>{});
+    case 64: return f(IntC<64>{}, IntC<256>{}, IntC<2>{});
+    default: return f(IntC<128>{}, IntC<256>{}, IntC<2>{});
+  }
+}
+
+template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn, int rs) {
+  return with_instantiation(mt, cn, rs, [](auto m, auto c, auto r) -> const Occupancy& {
+    return occupancy<BITS, decltype(m)::value, decltype(c)::value, decltype(r)::value, T>();
+  });
 }
 
 // Row split (Cfg) of a 256-column CTA. Measured on the H200 (wgmma_dev.py, K=4 fp16, L2
@@ -735,20 +741,9 @@ cudaError_t launch_t2(Params p, int splits, int num_sms, cudaStream_t stream, in
   plan_t<BITS, T>(p, splits, num_sms, pl);
   if (plan != nullptr && p.x == nullptr) return cudaSuccess;  // plan query only
   const bool spread = pl[6] == 1 && occupancy_for<BITS, T>(pl[0], pl[5], pl[7]).per_sm > 1;
-  const bool r2 = pl[7] == 2;
-  if (pl[5] == 512) {
-    switch (pl[0]) {
-      case 16: return launch_t<BITS, 16, 512, 1, T>(p, pl[1], spread, stream);
-      case 32: return launch_t<BITS, 32, 512, 1, T>(p, pl[1], spread, stream);
-      default: return launch_t<BITS, 64, 512, 1, T>(p, pl[1], spread, stream);
-    }
-  }
-  switch (pl[0]) {
-    case 16: return launch_t<BITS, 16, 256, 1, T>(p, pl[1], spread, stream);
-    case 32: return r2 ? launch_t<BITS, 32, 256, 2, T>(p, pl[1], spread, stream) : launch_t<BITS, 32, 256, 1, T>(p, pl[1], spread, stream);
-    case 64: return launch_t<BITS, 64, 256, 2, T>(p, pl[1], spread, stream);
-    default: return launch_t<BITS, 128, 256, 2, T>(p, pl[1], spread, stream);
-  }
+  return with_instantiation(pl[0], pl[5], pl[7], [&](auto m, auto c, auto r) {
+    return launch_t<BITS, decltype(m)::value, decltype(c)::value, decltype(r)::value, T>(p, pl[1], spread, stream);
+  });
 }
 
 // Entry point of one bit width (instantiated in generated/wgmma_k<BITS>.cu). With `plan`
