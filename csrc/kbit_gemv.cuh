@@ -198,14 +198,17 @@ template <int BITS, int MT, int W> constexpr bool wide_lut() {
   return Traits<BITS>::kLutEntries > 0 && min_blocks<MT, W>() == 1 && kLutReplicas == 32;
 }
 
-// The dynamic shared memory opt-in of `kernel`, once per device (it is a per-device setting).
-template <typename K> cudaError_t opt_in_smem(K kernel, int bytes) {
+// The dynamic shared memory opt-in of `Kernel`, once per device. It is a per-kernel, per-device
+// setting, so the flags are per instantiation: a template on the kernel's type alone shares
+// them between all gemv_kernel instantiations (one signature), and every kernel after the
+// first launched without its opt-in ("invalid argument").
+template <auto Kernel> cudaError_t opt_in_smem(int bytes) {
   static bool done[64];
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev >= 0 && dev < 64 && done[dev]) return cudaSuccess;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e == cudaSuccess && dev >= 0 && dev < 64) done[dev] = true;
   return e;
 }
@@ -341,7 +344,7 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
   using S = Smem<BITS, MT, W, kWide>;
   const auto kernel = gemv_kernel<BITS, MT, T, W, kWide>;
   if constexpr (S::kBytes > 48 * 1024) {
-    const cudaError_t e = opt_in_smem(kernel, S::kBytes);
+    const cudaError_t e = opt_in_smem<gemv_kernel<BITS, MT, T, W, kWide>>(S::kBytes);
     if (e != cudaSuccess) return e;
   }
   cudaLaunchConfig_t cfg = {};
