@@ -133,6 +133,15 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// ldmatrix.x4: four 8x8 b16 matrices in one instruction; lanes 8j..8j+7 address the rows of
+// matrix j, and lane l receives register j = row l/4, elements 2(l%4), 2(l%4)+1 of matrix j,
+// which is the mma.sync fragment order (the mma kernel's A tiles, the GEMV's x^T B tiles).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr));
+}
+
 // mbarrier (sm_80+): a shared-memory barrier object completing a phase when `count` arrivals
 // (and, sm_90, the transaction bytes announced with expect_tx) have happened. Used where a
 // stage is handed between producers and consumers without a CTA-wide __syncthreads.

@@ -24,7 +24,8 @@ namespace {
 //     at M <= 8 those CTAs have 16 warps (kWideWarps). 6144x4096 (NU = 96): 8.3 us at S = 1
 //     against 9.1 at S = 2 with 8-warp CTAs; 4096x14336 (NU = 64): 13.1 us at S = 2 against
 //     15.0 with 8-warp CTAs, 18.6 at S = 1.
-//   * M > 8 (two n8 tiles of x, ~220 registers: one 8-warp CTA per SM at any NU): the same.
+//   * M > 8 (two n8 tiles of x, 128 registers with x staged in shared memory: one 16-warp
+//     CTA per SM at any NU): the same.
 //   * M <= 8, SMs < NU <= 4 SMs: four 4-warp CTAs per SM (kNarrowWarps), the largest S with
 //     NU * S <= 4 SMs while each warp still streams >= 8 units (28672x4096: 448 CTAs in one
 //     wave, where 8-warp CTAs took 1.7 waves of two per SM).
@@ -44,7 +45,7 @@ Plan choose_plan(int m, int nu, int ku, int num_sms) {
       ++s;
     return s;
   };
-  if (m > kGemvOneTileM) return {largest(num_sms, 0), kWarps};
+  if (m > kGemvOneTileM) return {largest(num_sms, 0), kWideWarps};
   if (nu <= num_sms) return {largest(num_sms, 0), kWideWarps};
   if (nu <= 4LL * num_sms) return {largest(4LL * num_sms, kNarrowWarps), kNarrowWarps};
   const auto smallest = [&](long long ctas_wanted) {

@@ -43,7 +43,8 @@
 // got it there: K=4's layout stores the nibble words (no transpose here), 16-warp CTAs where
 // the grid has at most one CTA per SM, one-wave split-K, 4-warp CTAs where the slabs fit four
 // per SM (28672x4096: 24.7 -> 23.3 us in the graph). At 8 < M <= 16 layers with a slab per SM
-// go to the wgmma kernel (kbit_ops.h); the others stay here at ~220 registers, one CTA per SM.
+// go to the wgmma kernel (kbit_ops.h); the others stay here, in 16-warp CTAs that stage x in
+// shared memory (kXRowBytes).
 // Next: the ~5 us fixed cost per call (fill, table, reduction) on the small layers; K=3/5 still
 // transpose planes; M = 9..16 registers.
 // Tried and not adopted (same-run A/B, H200): issuing the first unit loads before building the
@@ -89,6 +90,21 @@ template <int BITS> struct Traits : PairTable<BITS> {
   static constexpr int kStages = BITS == 5 ? 2 : 3;
 };
 
+// 8 < M <= 16 (two n8 tiles of x): x reaches the MMA through shared memory, in 16-warp CTAs.
+// Read straight into B-fragment registers, a lane's x words are 32-bit loads from eight rows,
+// eight L1 wavefronts each: twice the L1 traffic of the weights and lookups together, and 48
+// registers of x stages (ncu, 57344x8192, M = 16: L1 at 79% of peak, DRAM at 34%, 215
+// registers, so 8 warps per SM). Instead each warp copies its unit's 16 x 64 x tile with
+// 16-byte cp.async (four rows per instruction) into a ring slot of its own and reads the B
+// fragments with one ldmatrix.x4 per n8 tile and block. That fits 128 registers with two
+// stages (one unit in flight per warp while one decodes), so 16 warps per SM: 8B decode step
+// at M = 16 0.87-0.94x the time at K = 2..5 (L1 48%, DRAM 42%). Rows are padded to
+// kXRowBytes so the eight rows of an ldmatrix phase hit eight different 16-byte bank groups.
+// KBIT_GEMV_XSMEM=0 (read once) takes the 8-warp register kernel instead, as do devices
+// whose CTAs cannot have the ring (sm_86 / sm_89: 99 KB).
+constexpr int kXRowBytes = 144;
+constexpr int kXSmemStages = 2;
+
 // One unit as a lane holds it in registers: its 16 bytes of each bit-plane, the 16 absmax
 // codes of its column group, and the x pairs its B fragments need.
 template <int BITS, int MT> struct Stage {
@@ -101,15 +117,27 @@ template <int BITS, int MT> struct Stage {
 // 4 lanes of a column group read the same absmax bytes: one broadcast), 32-bit x loads.
 // (Measured: carrying incremented pointers across the loop instead of this index math costs
 // registers and was 10-20% slower at the 128-register cap.)
-template <int BITS, int MT, typename T>
-__device__ __forceinline__ void load_stage(Stage<BITS, MT>& st, const Params& p, int nu, int ku, int lane) {
+// kXs: x goes to this stage's ring slot at `xslot` instead (16-byte chunk c = lane + 32 j is
+// row c / 8, k 8 (c % 8) of the unit; zero-filled past M and K).
+template <int BITS, int MT, typename T, bool kXs>
+__device__ __forceinline__ void load_stage(Stage<BITS, MT>& st, const Params& p, int nu, int ku, int lane,
+                                           uint32_t xslot) {
   const long long unit = (long long)nu * p.ku_count + ku;
   const uint32_t* wp = p.packed + unit * unit_words(BITS) + lane * 4;
 #pragma unroll
   for (int b = 0; b < BITS; ++b) st.w[b] = ld_stream_v4(wp + b * 128);
   st.a = ld_stream_v4(p.absmax + unit * kUnitAbsmaxBytes + (lane >> 2) * 16);
-  const int g = lane >> 2, t = lane & 3;
   const T* x = static_cast<const T*>(p.x);
+  if constexpr (kXs) {
+#pragma unroll
+    for (int j = 0; j < 2 * MT; ++j) {
+      const int c = lane + 32 * j, row = c >> 3, k = ku * kUnitK + 8 * (c & 7);
+      const bool ok = row < p.m && k < p.k;
+      cp_async16(xslot + row * kXRowBytes + 16 * (c & 7), ok ? x + (long long)row * p.k + k : x, ok);
+    }
+    return;
+  }
+  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int row = 8 * mt + g;
@@ -129,16 +157,24 @@ __device__ __forceinline__ void load_stage(Stage<BITS, MT>& st, const Params& p,
 }
 
 // Decode one unit and accumulate (see the file comment for the scheme).
-template <int BITS, int MT, typename T, bool kWideLut>
+// kXs: x is read from the stage's ring slot; `xlane` = its address + this lane's ldmatrix row
+// offset, so register i of n8 tile mt, block kb is x[8 mt + g][32 kb + 8 i + 2t], as st.x holds it.
+template <int BITS, int MT, typename T, bool kWideLut, bool kXs>
 __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (&acc)[kPairsPerLane][MT][4],
-                                              uint32_t lut_addr, uint32_t table) {
+                                              uint32_t lut_addr, uint32_t table, uint32_t xlane) {
 #pragma unroll
   for (int kb = 0; kb < 2; ++kb) {
     // B operands (x^T) of the block's two k16 steps, permuted to the decoder's pairing
     uint32_t bx[MT][2][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      const uint32_t* L = st.x[mt][kb];
+      uint32_t L[4];
+      if constexpr (kXs) {
+        ldmatrix_x4(L, xlane + mt * 8 * kXRowBytes + kb * 2 * kBlock);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) L[i] = st.x[mt][kb][i];
+      }
       const uint32_t u0 = L[0], u1 = Traits<BITS>::kCrumbPairs ? L[1] : L[2];
       const uint32_t v0 = Traits<BITS>::kCrumbPairs ? L[2] : L[1], v1 = L[3];
       bx[mt][0][0] = prmt(u0, u1, 0x5410);
@@ -213,24 +249,32 @@ template <auto Kernel> cudaError_t opt_in_smem(int bytes) {
   return e;
 }
 
+// Register (kXs: ring) stages of a warp's unit stream.
+template <int BITS, bool kXs> constexpr int stages() { return kXs ? kXSmemStages : Traits<BITS>::kStages; }
+
 // Shared memory of one CTA: the pair table (K=3,4), reused after the main loop for the
-// cross-warp reduction scratch, then the partial sums the cluster reads. With wide rows the
-// table starts at the first 64 KB-aligned shared address (kPad bytes reserved for the gap).
-template <int BITS, int MT, int W, bool kWide> struct Smem {
+// cross-warp reduction scratch, then the partial sums the cluster reads, which during the
+// main loop hold the warps' x rings (kXs). With wide rows the table starts at the first 64
+// KB-aligned shared address (kPad bytes reserved for the gap).
+template <int BITS, int MT, int W, bool kWide, bool kXs> struct Smem {
   static constexpr int kAcc = kPairsPerLane * MT * 4;                  // floats per lane
   static constexpr int kLutBytes = kWide ? Traits<BITS>::kWideLutBytes : Traits<BITS>::kLutBytes;
   static constexpr int kRedBytes = W * kAcc * 32 * 4;
   static constexpr int kPart = kLutBytes > kRedBytes ? kLutBytes : kRedBytes;  // from the table's start
+  static constexpr int kPartBytes = kAcc * 32 * 4;
+  static constexpr int kXSlot = 8 * MT * kXRowBytes;                   // one unit's x rows
+  static constexpr int kXRing = kXs ? W * stages<BITS, kXs>() * kXSlot : 0;
   static constexpr int kPad = kWide ? 65536 - 16 : 0;
-  static constexpr int kBytes = kPad + kPart + kAcc * 32 * 4;
-  static_assert(kWide || kBytes <= 48 * 1024, "fits without the dynamic shared memory opt-in");
+  static constexpr int kBytes = kPad + kPart + (kXRing > kPartBytes ? kXRing : kPartBytes);
+  static_assert(kWide || kXs || kBytes <= 48 * 1024, "fits without the dynamic shared memory opt-in");
+  static_assert(kPart % 16 == 0 && kXSlot % 16 == 0, "cp.async and ldmatrix need 16-byte aligned rows");
 };
 
-template <int BITS, int MT, typename T, int W, bool kWide>
+template <int BITS, int MT, typename T, int W, bool kWide, bool kXs>
 __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(const Params p) {
   constexpr int kWarps = W, kThreads = W * 32;
   extern __shared__ __align__(16) uint32_t smem_raw[];
-  using S = Smem<BITS, MT, W, kWide>;
+  using S = Smem<BITS, MT, W, kWide, kXs>;
   const uint32_t smem_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
   const uint32_t lut_base = kWide ? (smem_addr + 0xFFFFu) & ~0xFFFFu : smem_addr;
   uint32_t* smem = smem_raw + (lut_base - smem_addr) / 4;  // the table, then the reduction
@@ -257,26 +301,39 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
       for (int j = 0; j < 4; ++j) acc[i][mt][j] = 0.f;
 
   // ---- stream this warp's units (ku = ku_begin + warp + it * kWarps): a ring of kStages
-  // register stages, kStages - 1 units in flight while one is decoded
-  constexpr int kStages = Traits<BITS>::kStages;
+  // register stages, kStages - 1 units in flight while one is decoded. kXs: stage s's x in
+  // ring slot s of this warp; one cp.async group per stage (empty past the end, so that
+  // wait_group<kStages - 1> always means "stage it has landed").
+  constexpr int kStages = stages<BITS, kXs>();
+  const uint32_t xring = lut_base + S::kPart + uint32_t(warp * kStages * S::kXSlot);
+  const uint32_t xlane = xring + (lane & 7) * kXRowBytes + 16 * (lane >> 3);
   const int count = ku_end - ku_begin;
   const int n_iter = count > warp ? (count - warp + kWarps - 1) / kWarps : 0;
   Stage<BITS, MT> st[kStages];
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s)
-    if (s < n_iter) load_stage<BITS, MT, T>(st[s], p, nu, ku_begin + warp + s * kWarps, lane);
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_iter) load_stage<BITS, MT, T, kXs>(st[s], p, nu, ku_begin + warp + s * kWarps, lane, xring + s * S::kXSlot);
+    if constexpr (kXs) cp_async_commit();
+  }
   for (int it0 = 0; it0 < n_iter; it0 += kStages) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       const int it = it0 + s;
       if (it < n_iter) {
-        const int nxt = it + kStages - 1;
+        const int nxt = it + kStages - 1, sn = (s + kStages - 1) % kStages;
+        if constexpr (kXs) __syncwarp();  // every lane's ldmatrix of slot sn (stage it - 1) is done
         if (nxt < n_iter)
-          load_stage<BITS, MT, T>(st[(s + kStages - 1) % kStages], p, nu, ku_begin + warp + nxt * kWarps, lane);
-        compute_stage<BITS, MT, T, kWide>(st[s], acc, lut_addr, table);
+          load_stage<BITS, MT, T, kXs>(st[sn], p, nu, ku_begin + warp + nxt * kWarps, lane, xring + sn * S::kXSlot);
+        if constexpr (kXs) {
+          cp_async_commit();
+          cp_async_wait<kStages - 1>();
+          __syncwarp();  // the other lanes' copies into slot s are visible
+        }
+        compute_stage<BITS, MT, T, kWide, kXs>(st[s], acc, lut_addr, table, xlane + s * S::kXSlot);
       }
     }
   }
+  if constexpr (kXs) cp_async_wait<0>();  // (only empty groups can be left) before `part` reuses the ring
 
   // ---- reduce: warps of the CTA through shared memory, then the CTAs of the cluster through
   // distributed shared memory; every sum runs in a fixed order (deterministic).
@@ -339,12 +396,12 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
 }
 
 // Launch one instantiation; `splits` >= 1 already chosen (and 1 below sm_90).
-template <int BITS, int MT, typename T, int W, bool kWide = false>
+template <int BITS, int MT, typename T, int W, bool kWide = false, bool kXs = false>
 cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
-  using S = Smem<BITS, MT, W, kWide>;
-  const auto kernel = gemv_kernel<BITS, MT, T, W, kWide>;
+  using S = Smem<BITS, MT, W, kWide, kXs>;
+  const auto kernel = gemv_kernel<BITS, MT, T, W, kWide, kXs>;
   if constexpr (S::kBytes > 48 * 1024) {
-    const cudaError_t e = opt_in_smem<gemv_kernel<BITS, MT, T, W, kWide>>(S::kBytes);
+    const cudaError_t e = opt_in_smem<gemv_kernel<BITS, MT, T, W, kWide, kXs>>(S::kBytes);
     if (e != cudaSuccess) return e;
   }
   cudaLaunchConfig_t cfg = {};
@@ -372,26 +429,34 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
 
 // One CTA-per-SM configuration, with the wide-row table where it applies and the device has
 // the shared memory for it, unless KBIT_GEMV_WIDE_LUT=0.
-template <int BITS, int MT, typename T, int W>
+template <int BITS, int MT, typename T, int W, bool kXs = false>
 cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
   if constexpr (wide_lut<BITS, MT, W>()) {
     static const bool wide_off = env_off("KBIT_GEMV_WIDE_LUT");
-    if (!wide_off && Smem<BITS, MT, W, true>::kBytes <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>())
-      return launch_t<BITS, MT, T, W, true>(p, splits, stream);
+    if (!wide_off && Smem<BITS, MT, W, true, kXs>::kBytes <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>())
+      return launch_t<BITS, MT, T, W, true, kXs>(p, splits, stream);
   }
-  return launch_t<BITS, MT, T, W>(p, splits, stream);
+  return launch_t<BITS, MT, T, W, false, kXs>(p, splits, stream);
 }
 
 template <int BITS, typename T>
 cudaError_t launch_dt(const Params& p, int splits, int warps, cudaStream_t stream) {
-  if (p.m > kGemvOneTileM) return launch_alone<BITS, 2, T, kWarps>(p, splits, stream);
+  if (p.m > kGemvOneTileM) {
+    // 16 warps with x through shared memory where the device lets a CTA have the ring, else
+    // the 8-warp register kernel
+    static const bool x_regs = env_off("KBIT_GEMV_XSMEM");
+    if (!x_regs && Smem<BITS, 2, kWideWarps, false, true>::kBytes <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>())
+      return launch_alone<BITS, 2, T, kWideWarps, true>(p, splits, stream);
+    return launch_alone<BITS, 2, T, kWarps>(p, splits, stream);
+  }
   if (warps == kWideWarps) return launch_alone<BITS, 1, T, kWideWarps>(p, splits, stream);
   if (warps == kNarrowWarps) return launch_t<BITS, 1, T, kNarrowWarps>(p, splits, stream);
   return launch_t<BITS, 1, T, kWarps>(p, splits, stream);
 }
 
 // Entry point of one bit width (instantiated in generated/gemv_k<BITS>.cu); `warps` per CTA:
-// kNarrowWarps, kWarps or kWideWarps at M <= 8 (M > 8 always runs kWarps).
+// kNarrowWarps, kWarps or kWideWarps at M <= 8 (M > 8 runs kWideWarps with x through shared
+// memory, or kWarps with x in registers where the device cannot give a CTA the ring).
 template <int BITS>
 cudaError_t launch_bits(DType dtype, const Params& p, int splits, int warps, cudaStream_t stream) {
   if (dtype == DType::kHalf) return launch_dt<BITS, __half>(p, splits, warps, stream);

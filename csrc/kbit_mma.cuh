@@ -103,14 +103,6 @@ __device__ __forceinline__ void mbar_arrive(uint32_t addr) {
   asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(addr) : "memory");
 }
 
-// ldmatrix.x4: the four 8x8 b16 matrices of an m16k16 A fragment in one instruction (lanes
-// 0-15 address rows 0-15 at k 0-7, lanes 16-31 the same rows at k 8-15), already in the
-// register order mma.sync wants (a0: rows 0-7 k 0-7, a1: rows 8-15, a2/a3: k 8-15).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr));
-}
 
 // Codebook lookup: shfl.idx reads only bits [4:0] of the source-lane operand (PTX ISA,
 // shfl.sync), so a shifted index word can be passed without masking its upper bits;

@@ -117,11 +117,12 @@ size_t mma_workspace_bytes(int m, int n, int k, int bits, int num_sms);
 // 1..8 forces it. Returns cudaErrorNotSupported where wgmma_supported() is false.
 constexpr int kWgmmaMaxM = 1023;
 inline int wgmma_max_m(int /*bits*/) { return kWgmmaMaxM; }
-// Between 8 < M <= 16 the GEMV runs two n8 tiles of x at ~230 registers (one CTA per SM), and
-// on wide layers (at least one 64-column slab per SM) the wgmma kernel is faster: in a CUDA
-// graph of an 8B decode step at M = 16 (bench_decode.py, H200, K=4), 28672x4096 takes 35 us
-// with wgmma against 47 us with the GEMV, while 6144x4096, 4096x4096 and 4096x14336 stay
-// faster on the GEMV (13.8 / 9.7 / 20.3 us against 14.2 / 13.1 / 30.1).
+// Between 8 < M <= 16 the GEMV runs two n8 tiles of x (one 16-warp CTA per SM), and on wide
+// layers (at least one 64-column slab per SM) the wgmma kernel is faster: in a CUDA graph of
+// an 8B decode step at M = 16 (bench_decode.py --kbit-paths gemv:0, H200), 28672x4096 takes
+// 35.6 us with wgmma against 40.4 with the GEMV at K=4 (K=2 31.7 / 35.3, K=5 53.0 / 54.1),
+// while 6144x4096, 4096x4096 and 4096x14336 are faster on the GEMV (K=4, 11.7 / 9.1 / 18.6 us;
+// with wgmma 14.2 / 13.1 / 30.1 at fe1f150).
 constexpr int kGemvOneTileM = 8;
 inline bool wide_small_m_to_wgmma(int m, int n, int num_sms) {
   return m > kGemvOneTileM && m <= kGemvMaxM && n_units(n) >= num_sms;

@@ -25,7 +25,7 @@ for bits in (2, 3, 4, 5):
         wd = torch.ops.kbit.dequantize_tiled(packed, ap, cb, bits, n, k, torch.float16)
         ok &= torch.equal(wd, kf.dequantize(q, a, bits, cb, dtype=torch.float16))
         w64 = kf.dequantize(q, a, bits, cb, dtype=torch.float64)
-        for m in (1, 9):
+        for m in (1, 9, 16):
             x = torch.randn(m, k, device=dev, dtype=torch.float16)
             bias = torch.randn(n, device=dev, dtype=torch.float16)
             ref = x.double() @ w64.t() + bias.double()

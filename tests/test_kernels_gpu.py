@@ -159,10 +159,11 @@ def test_gemm_shapes(n, k, bits, dtype):
 
 @pytest.mark.parametrize("bits", [2, 4, 5])
 def test_gemv_forced_splits(bits):
-    """The GEMV path with every split-K factor (cluster sizes 1..8) on awkward shapes."""
+    """The GEMV path with every split-K factor (cluster sizes 1..8) on awkward shapes, at M = 1
+    and at 8 < M <= 16 (16-warp CTAs staging x in shared memory, rows past M zero-filled)."""
     for n, k in [(4104, 4128), (200, 96), (72, 1056)]:
         for splits in range(1, 9):
-            for m in (1, 9):
+            for m in (1, 9, 16):
                 _check_gemm(n, k, bits, torch.float16, m, path=PATH_GEMV, splits=splits, bias=True)
 
 
@@ -172,7 +173,7 @@ def test_gemv_cta_sizes(bits, dtype):
     """M <= 8 runs 16-warp CTAs where 64-column slabs x splits fit one per SM, 4-warp CTAs
     (four per SM) where the slabs fit four per SM, 8-warp CTAs (two per SM) beyond
     (kbit_gemv.cu): shapes in each range and on their edges, forced splits included. The
-    16-warp CTAs (and every M > 8 one) read the wide-row pair table (K=3,4, kbit_gemv.cuh)."""
+    16-warp CTAs (and the M > 8 ones) read the wide-row pair table (K=3,4, kbit_gemv.cuh)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for n, k, splits in [(1000, 2080, 0), (64 * sms // 2 - 24, 1056, 2), (64 * 2 * sms + 8, 1056, 0),
                          (64 * sms + 8, 544, 2), (64 * sms + 8, 2080, 0), (64 * 4 * sms, 1056, 0),
@@ -181,40 +182,49 @@ def test_gemv_cta_sizes(bits, dtype):
             _check_gemm(n, k, bits, dtype, m, path=PATH_GEMV, splits=splits, bias=(m == 6))
 
 
-_PACKED_VS_WIDE = r"""
+_GEMV_OUTPUTS = r"""
 import sys
 import torch
 from vllm_kbit import format as kf
 from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
 out = []
-n, k = 1000, 2080
-for bits in (3, 4):
+n, k = 1000, 2080  # a half unit at the end of K
+for bits in (2, 3, 4, 5):
     g = torch.Generator(device="cuda").manual_seed(bits)
     qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 32 * bits), generator=g, device="cuda", dtype=torch.int32)
     absmax = torch.randint(0x28, 0xA8, (n, k // 32), generator=g, device="cuda", dtype=torch.int32).to(torch.uint8)
     packed, ap = torch.ops.kbit.repack(qweight, absmax, bits)
     cb = kf.normal_float_codebook(bits, "cuda")
-    for m in (1, 16):
+    w64 = kf.dequantize(qweight, absmax, bits, cb, dtype=torch.float64)
+    for m in (1, 13, 16):
         x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-        out.append(torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, 0).cpu())
+        y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, 0)
+        out.append((y.cpu(), (x.double() @ w64.t()).cpu()))
 torch.save(out, sys.argv[1])
 """
 
 
-def test_gemv_packed_table_equals_wide_rows(tmp_path):
-    """The GEMV CTAs alone on their SM (16 warps at M <= 8, every M > 8 one) read the wide-row
-    pair table (K=3,4) where the device has the shared memory for it, the packed table
-    elsewhere (sm_86 / sm_89) or with KBIT_GEMV_WIDE_LUT=0; both must give the same bits (same
-    values, same order). The switch is read once per process: one subprocess each."""
+def test_gemv_variants(tmp_path):
+    """The GEMV's per-device choices: the wide-row pair table (K=3,4, CTAs alone on their SM)
+    against the packed one that sm_86 / sm_89 take (KBIT_GEMV_WIDE_LUT=0) must give the same
+    bits (same values, same order); the 8-warp kernel with x in registers that those devices
+    run at 8 < M <= 16 (KBIT_GEMV_XSMEM=0; another summation order than the 16-warp kernel)
+    must meet the float64 reference like the default. The switches are read once per process:
+    one subprocess each, K = 2..5, M = 1, 13 (rows past M zero-filled), 16."""
     outs = {}
-    for flag in ("1", "0"):
-        f = tmp_path / f"y{flag}.pt"
-        subprocess.run([sys.executable, "-c", _PACKED_VS_WIDE, str(f)], check=True, timeout=300,
-                       env=dict(os.environ, KBIT_GEMV_WIDE_LUT=flag))
-        outs[flag] = torch.load(f)
-    assert len(outs["1"]) == len(outs["0"]) == 4
-    for a, b in zip(outs["1"], outs["0"]):
-        assert torch.isfinite(a).all() and torch.equal(a, b)
+    for name, env in (("default", {}), ("packed", {"KBIT_GEMV_WIDE_LUT": "0"}), ("x_regs", {"KBIT_GEMV_XSMEM": "0"})):
+        f = tmp_path / f"{name}.pt"
+        subprocess.run([sys.executable, "-c", _GEMV_OUTPUTS, str(f)], check=True, timeout=300,
+                       env=dict(os.environ, **env))
+        outs[name] = torch.load(f)
+        assert len(outs[name]) == 12
+    for i in range(12):
+        y, ref = outs["default"][i]
+        assert torch.equal(outs["packed"][i][0], y), i
+        for name in ("default", "x_regs"):
+            y = outs[name][i][0]
+            assert torch.isfinite(y).all(), (name, i)
+            assert _rel_err(y, ref) < TOL[torch.bfloat16], (name, i, _rel_err(y, ref))
 
 
 @pytest.mark.parametrize("bits", [3, 4])
