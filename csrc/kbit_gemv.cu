@@ -24,14 +24,18 @@ namespace {
 //     at M <= 8 those CTAs have 16 warps (kWideWarps). 6144x4096 (NU = 96): 8.3 us at S = 1
 //     against 9.1 at S = 2 with 8-warp CTAs; 4096x14336 (NU = 64): 13.1 us at S = 2 against
 //     15.0 with 8-warp CTAs, 18.6 at S = 1.
-//   * M > 8 (two n8 tiles of x, 128 registers with x staged in shared memory: one 16-warp
-//     CTA per SM at any NU): the same.
-//   * M <= 8, SMs < NU <= 4 SMs: four 4-warp CTAs per SM (kNarrowWarps), the largest S with
+//   * M > 8 (two n8 tiles of x, 128 registers with x staged in shared memory): 16-warp CTAs,
+//     one per SM, at NU <= SMs and beyond 4 SMs; four 4-warp CTAs per SM between, as below.
+//     (On Hopper builds with wgmma, layers with NU >= SMs go to the wgmma kernel at M > 8, so
+//     there the 4-warp case runs only when the GEMV is forced.)
+//   * SMs < NU <= 4 SMs: four 4-warp CTAs per SM (kNarrowWarps), the largest S with
 //     NU * S <= 4 SMs while each warp still streams >= 8 units (28672x4096: 448 CTAs in one
-//     wave, where 8-warp CTAs took 1.7 waves of two per SM).
+//     wave, where 8-warp CTAs took 1.7 waves of two per SM; at M = 9..16, K = 2..5, in the
+//     decode graph: 0.88-1.05x the wgmma kernel's time, same call, gemv_narrow_m9_16_wip.json).
 //   * else, at M <= 8: two 8-warp CTAs per SM when every warp still streams >= 8 units, one
 //     per SM otherwise; S = 1 once NU alone covers that (57344x8192).
-// KBIT_GEMV_WARPS = 4 | 8 | 16 forces the CTA size at M <= 8 (tuning; read once).
+// KBIT_GEMV_WARPS = 4 | 8 | 16 forces the CTA size (tuning; read once); at M > 8 every size
+// but 4 runs 16 warps.
 struct Plan {
   int splits, warps;
 };
@@ -45,7 +49,10 @@ Plan choose_plan(int m, int nu, int ku, int num_sms) {
       ++s;
     return s;
   };
-  if (m > kGemvOneTileM) return {largest(num_sms, 0), kWideWarps};
+  if (m > kGemvOneTileM) {
+    if (nu > num_sms && nu <= 4LL * num_sms) return {largest(4LL * num_sms, kNarrowWarps), kNarrowWarps};
+    return {largest(num_sms, 0), kWideWarps};
+  }
   if (nu <= num_sms) return {largest(num_sms, 0), kWideWarps};
   if (nu <= 4LL * num_sms) return {largest(4LL * num_sms, kNarrowWarps), kNarrowWarps};
   const auto smallest = [&](long long ctas_wanted) {

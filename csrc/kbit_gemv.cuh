@@ -78,7 +78,7 @@ constexpr int kWarps = 8;                 // warps per CTA (two CTAs per SM at M
 constexpr int kWideWarps = 16;
 constexpr int kNarrowWarps = 4;
 // CTAs per SM the kernel is compiled for (registers: 65536 / (threads x this) each).
-template <int MT, int W> constexpr int min_blocks() { return MT > 1 ? 1 : W == kNarrowWarps ? 4 : W == kWarps ? 2 : 1; }
+template <int MT, int W> constexpr int min_blocks() { return W == kNarrowWarps ? 4 : MT > 1 ? 1 : W == kWarps ? 2 : 1; }
 constexpr int kMaxSplits = 8;             // portable cluster size
 constexpr int kPairsPerLane = 4;          // m16 column-group pairs per unit (8 n8 groups / 2)
 
@@ -97,7 +97,8 @@ template <int BITS> struct Traits : PairTable<BITS> {
 // registers, so 8 warps per SM). Instead each warp copies its unit's 16 x 64 x tile with
 // 16-byte cp.async (four rows per instruction) into a ring slot of its own and reads the B
 // fragments with one ldmatrix.x4 per n8 tile and block. That fits 128 registers with two
-// stages (one unit in flight per warp while one decodes), so 16 warps per SM: 8B decode step
+// stages (one unit in flight per warp while one decodes), so 16 warps per SM (one 16-warp or
+// four 4-warp CTAs, kbit_gemv.cu): 8B decode step
 // at M = 16 0.87-0.94x the time at K = 2..5 (L1 48%, DRAM 42%). Rows are padded to
 // kXRowBytes so the eight rows of an ldmatrix phase hit eight different 16-byte bank groups.
 // KBIT_GEMV_XSMEM=0 (read once) takes the 8-warp register kernel instead, as do devices
@@ -442,11 +443,13 @@ cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
 template <int BITS, typename T>
 cudaError_t launch_dt(const Params& p, int splits, int warps, cudaStream_t stream) {
   if (p.m > kGemvOneTileM) {
-    // 16 warps with x through shared memory where the device lets a CTA have the ring, else
-    // the 8-warp register kernel
+    // 16 (or 4, four per SM) warps with x through shared memory where the device lets a CTA
+    // have the ring, else the 8-warp register kernel
     static const bool x_regs = env_off("KBIT_GEMV_XSMEM");
-    if (!x_regs && Smem<BITS, 2, kWideWarps, false, true>::kBytes <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>())
+    if (!x_regs && Smem<BITS, 2, kWideWarps, false, true>::kBytes <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>()) {
+      if (warps == kNarrowWarps) return launch_t<BITS, 2, T, kNarrowWarps, false, true>(p, splits, stream);
       return launch_alone<BITS, 2, T, kWideWarps, true>(p, splits, stream);
+    }
     return launch_alone<BITS, 2, T, kWarps>(p, splits, stream);
   }
   if (warps == kWideWarps) return launch_alone<BITS, 1, T, kWideWarps>(p, splits, stream);
@@ -455,8 +458,9 @@ cudaError_t launch_dt(const Params& p, int splits, int warps, cudaStream_t strea
 }
 
 // Entry point of one bit width (instantiated in generated/gemv_k<BITS>.cu); `warps` per CTA:
-// kNarrowWarps, kWarps or kWideWarps at M <= 8 (M > 8 runs kWideWarps with x through shared
-// memory, or kWarps with x in registers where the device cannot give a CTA the ring).
+// kNarrowWarps, kWarps or kWideWarps at M <= 8; at M > 8 kNarrowWarps or kWideWarps with x
+// through shared memory, or kWarps with x in registers where the device cannot give a CTA the
+// ring.
 template <int BITS>
 cudaError_t launch_bits(DType dtype, const Params& p, int splits, int warps, cudaStream_t stream) {
   if (dtype == DType::kHalf) return launch_dt<BITS, __half>(p, splits, warps, stream);

@@ -178,7 +178,7 @@ def test_gemv_cta_sizes(bits, dtype):
     for n, k, splits in [(1000, 2080, 0), (64 * sms // 2 - 24, 1056, 2), (64 * 2 * sms + 8, 1056, 0),
                          (64 * sms + 8, 544, 2), (64 * sms + 8, 2080, 0), (64 * 4 * sms, 1056, 0),
                          (64 * 4 * sms + 8, 1056, 0)]:
-        for m in (1, 6, 8):
+        for m in (1, 6, 8, 12):
             _check_gemm(n, k, bits, dtype, m, path=PATH_GEMV, splits=splits, bias=(m == 6))
 
 
