@@ -45,8 +45,9 @@
 // per SM (28672x4096: 24.7 -> 23.3 us in the graph). At 8 < M <= 16 layers with a slab per SM
 // go to the wgmma kernel (kbit_ops.h); the others stay here, in 16-warp CTAs that stage x in
 // shared memory (kXRowBytes).
+// 7818647: at M = 9..16, x through shared memory in 16-warp CTAs (kXRowBytes below).
 // Next: the ~5 us fixed cost per call (fill, table, reduction) on the small layers; K=3/5 still
-// transpose planes; M = 9..16 registers.
+// transpose planes; M = 9..16 at one unit in flight per warp (two stages fit 128 registers).
 // Tried and not adopted (same-run A/B, H200): issuing the first unit loads before building the
 // codebook table, at every M (2b7449f's predecessor: +0.5-1.5% at M = 1, 4, -2-5% at M = 16)
 // and at M <= 8 only (decode step at M = 1, 4, 8: within +-1%, 2% slower at M = 8).
