@@ -117,8 +117,9 @@ __device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
   return r;
 }
 
-// cp.async.cg 16 B global -> shared, bypassing L1 (the tensor-core kernels' x tiles are
-// re-read by other CTAs through L2, never by this one; weights are read once). src-size 0
+// cp.async.cg 16 B global -> shared, bypassing L1 (x tiles are re-read by other CTAs through
+// L2, not by this one, except the GEMV's 4-warp CTAs, four per SM, which may share one: a .ca
+// variant is untried; weights are read once). src-size 0
 // zero-fills the 16 B: rows past M, k past K and columns past N become zeros without a read.
 // The source pointer must still be a valid address; callers pass a tensor base when invalid.
 __device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gptr, bool valid) {

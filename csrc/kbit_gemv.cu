@@ -35,7 +35,11 @@ namespace {
 //   * else, at M <= 8: two 8-warp CTAs per SM when every warp still streams >= 8 units, one
 //     per SM otherwise; S = 1 once NU alone covers that (57344x8192).
 // KBIT_GEMV_WARPS = 4 | 8 | 16 forces the CTA size (tuning; read once); at M > 8 every size
-// but 4 runs 16 warps.
+// but 4 runs 16 warps where x goes through shared memory, and every size runs 8 where it does
+// not (KBIT_GEMV_XSMEM=0, sm_86 / sm_89: kbit_gemv.cuh, launch_dt). Known gap: the plan does
+// not know which, so where x stays in registers a layer of SMs < NU <= 4 SMs keeps the 4-warp
+// split (up to 4 SMs / NU), more waves of 8-warp CTAs than its own plan would take. Slower,
+// not wrong; the fix is to decide x's route before the plan and pass it in.
 struct Plan {
   int splits, warps;
 };

@@ -70,7 +70,8 @@ namespace kbit {
 namespace gemv {
 
 constexpr int kWarps = 8;                 // warps per CTA (two CTAs per SM at M <= 8)
-// CTA sizes at M <= 8 (kbit_gemv.cu picks one from the grid, always 16 warps per SM):
+// CTA sizes at M <= 8 (kbit_gemv.cu picks one from the grid, always 16 warps per SM; at M > 8
+// kWideWarps or kNarrowWarps with x through shared memory, kWarps with x in registers):
 //   kWideWarps where the grid has at most one CTA per SM anyway (64-column slabs x splits
 //   <= SMs, e.g. 4096x14336 and 4096x4096 at S = 2): twice the warps per SM to hide the DRAM
 //   latency;
@@ -226,12 +227,12 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
   }
 }
 
-// The one-CTA-per-SM configurations (kWideWarps, and every M > 8 one) of K=3,4 read a pair
+// The one-CTA-per-SM configurations (16 warps, and the 8-warp M > 8 one) of K=3,4 read a pair
 // table with wide rows (PairTable::kWideLutBytes): one instruction less per pair (Decoder), for
 // up to 64 KB of padding and twice the table, which only a CTA alone on its SM can spare, and
-// only where the device lets one CTA have that much (100-133 KB: sm_80 and sm_90 do, sm_86 /
-// sm_89 allow 99 KB and take the packed table, launch_alone). KBIT_GEMV_WIDE_LUT=0 (read once)
-// takes the packed table everywhere (A/B).
+// only where the device lets one CTA have that much (launch_alone): sm_90 (227 KB) always;
+// sm_80 (163 KB) at M <= 8 (100-133 KB) but not with the M > 8 x ring (205 KB); sm_86 / sm_89
+// (99 KB) never. KBIT_GEMV_WIDE_LUT=0 (read once) takes the packed table everywhere (A/B).
 template <int BITS, int MT, int W> constexpr bool wide_lut() {
   return Traits<BITS>::kLutEntries > 0 && min_blocks<MT, W>() == 1 && kLutReplicas == 32;
 }

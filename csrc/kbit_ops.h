@@ -117,7 +117,7 @@ size_t mma_workspace_bytes(int m, int n, int k, int bits, int num_sms);
 // 1..8 forces it. Returns cudaErrorNotSupported where wgmma_supported() is false.
 constexpr int kWgmmaMaxM = 1023;
 inline int wgmma_max_m(int /*bits*/) { return kWgmmaMaxM; }
-// Between 8 < M <= 16 the GEMV runs two n8 tiles of x (one 16-warp CTA per SM), and on wide
+// Between 8 < M <= 16 the GEMV runs two n8 tiles of x (16 warps per SM), and on wide
 // layers (at least one 64-column slab per SM) the wgmma kernel is faster: in a CUDA graph of
 // an 8B decode step at M = 16 (bench_decode.py --kbit-paths gemv:0, H200), 28672x4096 takes
 // 35.6 us with wgmma against 40.4 with the GEMV at K=4 (K=2 31.7 / 35.3, K=5 53.0 / 54.1),
