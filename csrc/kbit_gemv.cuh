@@ -45,7 +45,6 @@
 // per SM (28672x4096: 24.7 -> 23.3 us in the graph). At 8 < M <= 16 layers with a slab per SM
 // go to the wgmma kernel (kbit_ops.h); the others stay here, in 16-warp CTAs that stage x in
 // shared memory (kXRowBytes).
-// 7818647: at M = 9..16, x through shared memory in 16-warp CTAs (kXRowBytes below).
 // Next: the ~5 us fixed cost per call (fill, table, reduction) on the small layers; K=3/5 still
 // transpose planes; M = 9..16 at one unit in flight per warp (two stages fit 128 registers).
 // Tried and not adopted (same-run A/B, H200): issuing the first unit loads before building the
@@ -100,9 +99,9 @@ template <int BITS> struct Traits : PairTable<BITS> {
 // 16-byte cp.async (four rows per instruction) into a ring slot of its own and reads the B
 // fragments with one ldmatrix.x4 per n8 tile and block. That fits 128 registers with two
 // stages (one unit in flight per warp while one decodes), so 16 warps per SM (one 16-warp or
-// four 4-warp CTAs, kbit_gemv.cu): 8B decode step
-// at M = 16 0.87-0.94x the time at K = 2..5 (L1 48%, DRAM 42%). Rows are padded to
-// kXRowBytes so the eight rows of an ldmatrix phase hit eight different 16-byte bank groups.
+// four 4-warp CTAs, kbit_gemv.cu): 8B decode step at M = 16 0.87-0.94x the time at K = 2..5
+// (L1 52%, DRAM 42%). Rows are padded to kXRowBytes so the eight rows of an ldmatrix phase hit
+// eight different 16-byte bank groups.
 // KBIT_GEMV_XSMEM=0 (read once) takes the 8-warp register kernel instead, as do devices
 // whose CTAs cannot have the ring (sm_86 / sm_89: 99 KB).
 constexpr int kXRowBytes = 144;
@@ -250,6 +249,11 @@ template <auto Kernel> cudaError_t opt_in_smem(int bytes) {
   e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e == cudaSuccess && dev >= 0 && dev < 64) done[dev] = true;
   return e;
+}
+
+// Whether the current device lets one CTA of layout S have its shared memory.
+template <typename S> bool device_fits() {
+  return S::kBytes <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
 }
 
 // Register (kXs: ring) stages of a warp's unit stream.
@@ -402,9 +406,9 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
 template <int BITS, int MT, typename T, int W, bool kWide = false, bool kXs = false>
 cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
   using S = Smem<BITS, MT, W, kWide, kXs>;
-  const auto kernel = gemv_kernel<BITS, MT, T, W, kWide, kXs>;
+  constexpr auto kernel = gemv_kernel<BITS, MT, T, W, kWide, kXs>;
   if constexpr (S::kBytes > 48 * 1024) {
-    const cudaError_t e = opt_in_smem<gemv_kernel<BITS, MT, T, W, kWide, kXs>>(S::kBytes);
+    const cudaError_t e = opt_in_smem<kernel>(S::kBytes);
     if (e != cudaSuccess) return e;
   }
   cudaLaunchConfig_t cfg = {};
@@ -436,7 +440,7 @@ template <int BITS, int MT, typename T, int W, bool kXs = false>
 cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
   if constexpr (wide_lut<BITS, MT, W>()) {
     static const bool wide_off = env_off("KBIT_GEMV_WIDE_LUT");
-    if (!wide_off && Smem<BITS, MT, W, true, kXs>::kBytes <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>())
+    if (!wide_off && device_fits<Smem<BITS, MT, W, true, kXs>>())
       return launch_t<BITS, MT, T, W, true, kXs>(p, splits, stream);
   }
   return launch_t<BITS, MT, T, W, false, kXs>(p, splits, stream);
@@ -448,7 +452,7 @@ cudaError_t launch_dt(const Params& p, int splits, int warps, cudaStream_t strea
     // 16 (or 4, four per SM) warps with x through shared memory where the device lets a CTA
     // have the ring, else the 8-warp register kernel
     static const bool x_regs = env_off("KBIT_GEMV_XSMEM");
-    if (!x_regs && Smem<BITS, 2, kWideWarps, false, true>::kBytes <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>()) {
+    if (!x_regs && device_fits<Smem<BITS, 2, kWideWarps, false, true>>()) {
       if (warps == kNarrowWarps) return launch_t<BITS, 2, T, kNarrowWarps, false, true>(p, splits, stream);
       return launch_alone<BITS, 2, T, kWideWarps, true>(p, splits, stream);
     }
