@@ -195,9 +195,11 @@ constexpr bool kHasMma = true;
 constexpr bool kHasMma = false;
 #endif
 
-// Scratch budget of the dequantize + cuBLAS path; KBIT_DEQUANT_CHUNK_MIB overrides it (tuning:
-// a chunk that fits the 50 MB L2 is read back by cuBLAS from L2 and, being overwritten by the
-// next chunk, may never reach DRAM).
+// Scratch budget of the dequantize + cuBLAS path; KBIT_DEQUANT_CHUNK_MIB overrides it (tuning).
+// A chunk that fits the 50 MB L2 does not pay: the 8B decode step at M = 512 / 1024 took 20145 /
+// 31071 us with 24 MiB, 18536 / 29438 with 64 and 17761 / 28875 with 128 (bench_decode.py
+// --kbit-paths dequant:0, H200, one call): cuBLAS on fewer rows per call loses more than the
+// L2 saves.
 int64_t dequant_chunk_bytes() {
   static const int64_t bytes = [] {
     const char* f = std::getenv("KBIT_DEQUANT_CHUNK_MIB");

@@ -1,7 +1,23 @@
-// Dequantize the tiled layout to row-major W rows [n_begin, n_end): the large-M fallback
-// (dequant + cuBLAS, in N-chunks so the scratch stays bounded) and a test hook.
+// Dequantize the tiled layout to row-major W rows [n_begin, n_end): the large-M path (dequantize
+// + cuBLAS, in N-chunks so the scratch stays bounded) and a test hook.
 // Values are float(codebook[idx]) * decode(absmax) rounded once: bit-exact with
 // format.dequantize.
+//
+// Design. One warp per 64x64 unit, as the GEMV reads it: each lane loads its own 16 bytes per
+// bit-plane (a warp reads 512 contiguous bytes per plane) and its 16 absmax codes, the next
+// unit's loads in flight while this one decodes. A lane's plane words hold, per (column,
+// block), 8 elements at k = 2t + {0, 1, 8, 9, 16, 17, 24, 25} (kbit_layout.cuh): their indices
+// come out of the IndexWords nibble / byte fields (~1 op each), their values from a
+// 32-replica fp32 codebook in shared memory (lane l reads replica l: conflict-free). The
+// rounded pairs (k, k + 1) go to a per-warp staging block of 64 rows (one per column), and the
+// warp writes it back as 16-byte stores, 8 rows x 64 contiguous bytes per instruction (full
+// sectors).
+// Why (H200, bench_gemm.py --dequant-only, same shapes): the first kernel gathered each index
+// bit by bit (~20 integer ops per weight) and its 16-byte stores were 64 bytes apart across a
+// warp (half-written sectors): 57344x8192 K=4 in 502 us (fe1f150). This one takes 414.5 us,
+// 2.9 TB/s of reads + writes. A first build that wrote only half the rows (a bug the tests
+// caught) moved the same 2.9 TB/s, so what is left is the DRAM's rate for a stream of 80%
+// writes (the copy bandwidth, half reads, is 4.2 TB/s).
 #include <cstdint>
 
 #include "kbit_common.cuh"
@@ -12,118 +28,138 @@
 namespace kbit {
 namespace {
 
-// Tile of one CTA: the 64 columns of one n-unit x kTileUnits consecutive k-units. The tile's
-// packed words and absmax bytes are read once, coalesced (16-byte loads, a warp reads 512
-// contiguous bytes), into shared memory; then each thread builds the 32 indices of one
-// (column, block) from there. (The first version read the planes straight from global memory
-// per (column, block): 4-byte loads at a 16-byte stride, the same word fetched by the 4
-// columns that share it from different CTAs; it moved ~1.3 TB/s on the H200.)
-constexpr int kDqThreads = 256;
-constexpr int kTileUnits = 4;
-constexpr int kTileTasks = kUnitN * 2 * kTileUnits;  // (column, block) pairs of a tile
-static_assert(kTileTasks % kDqThreads == 0, "whole tasks per thread");
-// +4 words per unit: units sit 4 banks apart, so the lanes of a warp (8 blocks x 4 columns)
-// hit each bank at most twice; 4 keeps every unit 16-byte aligned for the vector stores.
-template <int BITS> __host__ __device__ constexpr int unit_stride_words() { return unit_words(BITS) + 4; }
+constexpr int kDqWarps = 4;  // warps per CTA (units are per warp; small CTAs pack the SMs)
+
+// One warp's staging block: 64 rows (the unit's columns) of one 32-block, padded by 16 bytes
+// so that the 8 rows a quarter-warp touches (writes: rows g = 0..7 of an n8 group; reads: 8
+// rows, one 16-byte chunk each) fall into distinct banks.
+template <typename T> struct DqStaging {
+  static constexpr int kRowBytes = kBlock * int(sizeof(T)) + 16;
+  static constexpr int kBytes = kUnitN * kRowBytes;
+  static constexpr int kChunks = kBlock * int(sizeof(T)) / 16;  // 16-byte chunks per row
+  static constexpr int kRowsPerStore = 32 / kChunks;            // rows one warp store covers
+  static_assert(kRowBytes % 16 == 0, "16-byte aligned rows");
+};
+
+// Two rounded values (k, k + 1) as one store.
+template <typename T> struct DqPair { using type = uint32_t; };
+template <> struct DqPair<float> { using type = float2; };
+template <typename T> __device__ __forceinline__ typename DqPair<T>::type dq_pair(float a, float b) { return pack2<T>(a, b); }
+template <> __device__ __forceinline__ float2 dq_pair<float>(float a, float b) { return make_float2(a, b); }
+
+template <int BITS> struct DqUnit {
+  uint4 w[BITS];
+  uint4 a;
+};
+
+template <int BITS>
+__device__ __forceinline__ void dq_load(DqUnit<BITS>& u, const uint32_t* packed, const uint8_t* absmax, long long unit,
+                                        int lane) {
+  const uint32_t* wp = packed + unit * unit_words(BITS) + lane * 4;
+#pragma unroll
+  for (int b = 0; b < BITS; ++b) u.w[b] = ld_stream_v4(wp + b * 128);
+  u.a = ld_stream_v4(absmax + unit * kUnitAbsmaxBytes + (lane >> 2) * 16);
+}
 
 template <typename T, int BITS>
-__global__ void __launch_bounds__(kDqThreads) dequant_kernel(const uint32_t* __restrict__ packed,
-                                                             const uint8_t* __restrict__ absmax,
-                                                             const float* __restrict__ codebook, T* __restrict__ w,
-                                                             int n_begin, int n_end, int k) {
-  constexpr int kStride = unit_stride_words<BITS>();
-  __shared__ __align__(16) uint32_t sp[kTileUnits * kStride];
-  __shared__ __align__(16) uint32_t sa[kTileUnits * kUnitAbsmaxBytes / 4];
-  __shared__ float cb[1 << BITS];
-  if (threadIdx.x < (1 << BITS)) cb[threadIdx.x] = codebook[threadIdx.x];
-  const int nb = k / kBlock, ku_count = k_units(k);
-  const int nu0 = n_begin / kUnitN, nu_count = n_units(n_end) - nu0;
-  const int kt_count = div_up(ku_count, kTileUnits);
-  const long long tiles = (long long)nu_count * kt_count;
-  for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int nu = nu0 + int(tile / kt_count), ku0 = int(tile % kt_count) * kTileUnits;
-    const int units = min(kTileUnits, ku_count - ku0);
-    __syncthreads();  // the previous tile's readers are done with sp / sa (and cb is written)
-    const uint4* src = reinterpret_cast<const uint4*>(packed + ((long long)nu * ku_count + ku0) * unit_words(BITS));
-    for (int v = threadIdx.x; v < units * unit_words(BITS) / 4; v += kDqThreads) {
-      const int u = v / (unit_words(BITS) / 4), r = v % (unit_words(BITS) / 4);
-      *reinterpret_cast<uint4*>(sp + u * kStride + 4 * r) = ld_stream_v4(src + v);
-    }
-    const uint4* asrc = reinterpret_cast<const uint4*>(absmax + ((long long)nu * ku_count + ku0) * kUnitAbsmaxBytes);
-    for (int v = threadIdx.x; v < units * kUnitAbsmaxBytes / 16; v += kDqThreads)
-      reinterpret_cast<uint4*>(sa)[v] = ld_stream_v4(asrc + v);
-    __syncthreads();
-#pragma unroll 1
-    for (int task = threadIdx.x; task < kTileTasks; task += kDqThreads) {
-      // 8 consecutive blocks of a column per 8 lanes: each writes 64 contiguous bytes (fp16)
-      const int jl = task % (2 * kTileUnits), cl = task / (2 * kTileUnits);
-      const int c = nu * kUnitN + cl, jb = 2 * ku0 + jl;
-      if (c < n_begin || c >= n_end || jb >= nb) continue;
-      const int u = jl >> 1, j = cl / 8, g = cl % 8;
-      const int wsel = 2 * (jl & 1) + (j >> 2), q = j & 3;
-      // per t: the BITS plane words of lane (g, t) (for K=4 the layout's nibble words, transposed
-      // back to planes: the transpose is its own inverse); column q's 8 elements of this block
-      // sit at bits e = 0..7 of byte q, and their index bits are gathered plane by plane.
-      // Measured: the lean form through IndexWords (nibble fields, ~1/3 of the integer ops) ran
-      // 1.3x slower on the H200, 728 vs 550 us on 57344x8192 K=4, with the L2 at 78% of its
-      // throughput (ncu) and DRAM at 38%.
-      uint32_t index[kBlock];
+__global__ void __launch_bounds__(kDqWarps * 32) dequant_kernel(const uint32_t* __restrict__ packed,
+                                                                const uint8_t* __restrict__ absmax,
+                                                                const float* __restrict__ codebook, T* __restrict__ w,
+                                                                int n_begin, int n_end, int k) {
+  using S = DqStaging<T>;
+  using Pair = typename DqPair<T>::type;
+  constexpr int kEntries = 1 << BITS;
+  __shared__ float lut[kEntries * 32];  // entry v of replica r at word 32 v + r (bank r)
+  __shared__ __align__(16) uint8_t staging[kDqWarps][S::kBytes];
+  for (int i = threadIdx.x; i < kEntries * 32; i += blockDim.x) lut[i] = __ldg(codebook + (i >> 5));
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3, g = lane >> 2;
+  const float* my_lut = lut + lane;
+  uint8_t* st = staging[warp];
+  const int ku_count = k_units(k), nb = k / kBlock;
+  const int nu0 = n_begin / kUnitN;
+  const long long units = (long long)(n_units(n_end) - nu0) * ku_count;
+  const long long stride = (long long)gridDim.x * kDqWarps;
+  long long u = (long long)blockIdx.x * kDqWarps + warp;
+  DqUnit<BITS> cur, nxt;
+  if (u < units) dq_load(cur, packed, absmax, (long long)(nu0 + u / ku_count) * ku_count + u % ku_count, lane);
+  for (; u < units; u += stride) {
+    const int nu = nu0 + int(u / ku_count), ku = int(u % ku_count);
+    const long long un = u + stride;
+    if (un < units) dq_load(nxt, packed, absmax, (long long)(nu0 + un / ku_count) * ku_count + un % ku_count, lane);
 #pragma unroll
-      for (int i = 0; i < kBlock; ++i) index[i] = 0;
+    for (int kb = 0; kb < 2; ++kb) {
+      __syncwarp();  // the previous block's staging reads are done
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        uint32_t pl[BITS];
+      for (int h = 0; h < 2; ++h) {
+        const int wi = 2 * kb + h;
+        uint32_t planes[BITS];
 #pragma unroll
-        for (int b = 0; b < BITS; ++b) pl[b] = sp[u * kStride + b * 128 + (4 * g + t) * 4 + wsel];
-        if constexpr (layout_stores_nibbles(BITS)) {
-          uint32_t planes[BITS];
+        for (int b = 0; b < BITS; ++b) planes[b] = comp(cur.w[b], wi);
+        IndexWords<BITS> iw;
+        iw.build(planes);
+        const uint32_t codes = comp(cur.a, wi);
 #pragma unroll
-          for (int b = 0; b < BITS; ++b) planes[b] = transpose_nibbles<BITS>(pl, b);
+        for (int q = 0; q < 4; ++q) {
+          const float scale = decode_e4m4_exact((codes >> (8 * q)) & 0xFFu);
+          float v[8];
 #pragma unroll
-          for (int b = 0; b < BITS; ++b) pl[b] = planes[b];
-        }
+          for (int e = 0; e < 8; ++e) v[e] = my_lut[(iw.lane_of(q, e >> 2, e & 3) & (kEntries - 1)) * 32] * scale;
+          // row: column 8 (4h + q) + g of the unit; element e sits at k = 16 (e >> 2) + 8 ((e >> 1) & 1) + 2t + (e & 1)
+          uint8_t* row = st + (8 * (4 * h + q) + g) * S::kRowBytes;
 #pragma unroll
-        for (int b = 0; b < BITS; ++b) {
-          const uint32_t byte = (pl[b] >> (8 * q)) & 0xFF;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const int i = 16 * (e >> 2) + 8 * ((e >> 1) & 1) + 2 * t + (e & 1);  // kbit_layout.cuh
-            index[i] |= ((byte >> e) & 1u) << b;
+          for (int e = 0; e < 8; e += 2) {
+            const int k0 = 16 * (e >> 2) + 8 * ((e >> 1) & 1) + 2 * t;
+            *reinterpret_cast<Pair*>(row + k0 * int(sizeof(T))) = dq_pair<T>(v[e], v[e + 1]);
           }
         }
       }
-      const uint32_t code = (sa[u * (kUnitAbsmaxBytes / 4) + g * 4 + wsel] >> (8 * q)) & 0xFF;
-      const float scale = decode_e4m4_exact(code);
-      T* out = w + (long long)(c - n_begin) * k + (long long)jb * kBlock;
+      __syncwarp();  // every lane's pairs are in the staging block
+      const int jb = 2 * ku + kb;
+      if (jb < nb) {
 #pragma unroll
-      for (int v = 0; v < kBlock * (int)sizeof(T) / 16; ++v) {  // 16-byte stores
-        constexpr int kPer = 16 / sizeof(T);
-        T vals[kPer];
-#pragma unroll
-        for (int ii = 0; ii < kPer; ++ii) vals[ii] = from_float<T>(cb[index[v * kPer + ii]] * scale);
-        reinterpret_cast<uint4*>(out)[v] = *reinterpret_cast<const uint4*>(vals);
+        for (int it = 0; it < kUnitN / S::kRowsPerStore; ++it) {
+          const int r = (lane % S::kRowsPerStore) + S::kRowsPerStore * it, ch = lane / S::kRowsPerStore;
+          const int c = nu * kUnitN + r;
+          const uint4 val = *reinterpret_cast<const uint4*>(st + r * S::kRowBytes + 16 * ch);
+          if (c >= n_begin && c < n_end)
+            *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(w + (long long)(c - n_begin) * k + jb * kBlock) + 16 * ch) = val;
+        }
       }
     }
+    cur = nxt;
   }
+}
+
+template <typename T, int BITS>
+cudaError_t launch_dequant_bits(const uint32_t* packed, const uint8_t* absmax, const float* codebook, T* w, int n_begin,
+                                int n_end, int k, cudaStream_t stream) {
+  const auto kernel = dequant_kernel<T, BITS>;
+  // a grid-stride loop over units with as many CTAs as are resident at once (asked once per
+  // instantiation), so that every warp runs a few units and its next loads overlap its decode
+  static const int per_sm = [&] {
+    int b = 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kDqWarps * 32, 0) == cudaSuccess && b > 0 ? b : 1;
+  }();
+  const int sms = device_attribute<cudaDevAttrMultiProcessorCount>();
+  const long long units = (long long)(n_units(n_end) - n_begin / kUnitN) * k_units(k);
+  const long long cap = (long long)per_sm * (sms > 0 ? sms : 1);
+  const long long need = (units + kDqWarps - 1) / kDqWarps;
+  const int grid = int(need < cap ? (need > 0 ? need : 1) : cap);
+  kernel<<<grid, kDqWarps * 32, 0, stream>>>(packed, absmax, codebook, w, n_begin, n_end, k);
+  return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t launch_dequant_t(const uint32_t* packed, const uint8_t* absmax, const float* codebook, T* w, int n_begin,
                              int n_end, int k, int bits, cudaStream_t stream) {
-  const long long tiles = (long long)(n_units(n_end) - n_begin / kUnitN) * div_up(k_units(k), kTileUnits);
-  // a grid-stride loop over tiles; 8 CTAs of 256 threads fit an SM (shared memory ~11 KB each)
-  long long grid = tiles < (1 << 20) ? tiles : (1 << 20);
-  if (grid < 1) grid = 1;
-#define KBIT_DQ(B) dequant_kernel<T, B><<<int(grid), kDqThreads, 0, stream>>>(packed, absmax, codebook, w, n_begin, n_end, k)
   switch (bits) {
-    case 2: KBIT_DQ(2); break;
-    case 3: KBIT_DQ(3); break;
-    case 4: KBIT_DQ(4); break;
-    case 5: KBIT_DQ(5); break;
+    case 2: return launch_dequant_bits<T, 2>(packed, absmax, codebook, w, n_begin, n_end, k, stream);
+    case 3: return launch_dequant_bits<T, 3>(packed, absmax, codebook, w, n_begin, n_end, k, stream);
+    case 4: return launch_dequant_bits<T, 4>(packed, absmax, codebook, w, n_begin, n_end, k, stream);
+    case 5: return launch_dequant_bits<T, 5>(packed, absmax, codebook, w, n_begin, n_end, k, stream);
     default: return cudaErrorInvalidValue;
   }
-#undef KBIT_DQ
-  return cudaGetLastError();
 }
 
 }  // namespace

@@ -98,9 +98,9 @@ def test_repack_bit_exact(bits, n, k):
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_dequantize_tiled_bit_exact(bits, dtype):
-    n, k = 200, 4128
-    qweight, absmax = _random_weight(n, k, bits, seed=bits)
+@pytest.mark.parametrize("n,k", [(200, 4128), (4104, 96)])  # a half unit at the end of K; 65 slabs
+def test_dequantize_tiled_bit_exact(bits, dtype, n, k):
+    qweight, absmax = _random_weight(n, k, bits, seed=bits + n)
     cb = kf.normal_float_codebook(bits, DEV)
     packed, ap = torch.ops.kbit.repack(qweight, absmax, bits)
     w = torch.ops.kbit.dequantize_tiled(packed, ap, cb, bits, n, k, dtype)
@@ -225,6 +225,48 @@ def test_gemv_variants(tmp_path):
             y = outs[name][i][0]
             assert torch.isfinite(y).all(), (name, i)
             assert _rel_err(y, ref) < TOL[torch.bfloat16], (name, i, _rel_err(y, ref))
+
+
+_DEQUANT_CHUNKS = r"""
+import sys
+import torch
+from vllm_kbit import format as kf
+from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+out = []
+k = 4128  # a half unit at the end of K
+for n in (200, 1000):  # neither a multiple of 64: the last chunk ends inside a slab
+    for bits in (2, 3, 4, 5):
+        g = torch.Generator(device="cuda").manual_seed(n + bits)
+        qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 32 * bits), generator=g, device="cuda", dtype=torch.int32)
+        absmax = torch.randint(0x28, 0xA8, (n, k // 32), generator=g, device="cuda", dtype=torch.int32).to(torch.uint8)
+        packed, ap = torch.ops.kbit.repack(qweight, absmax, bits)
+        cb = kf.normal_float_codebook(bits, "cuda")
+        w64 = kf.dequantize(qweight, absmax, bits, cb, dtype=torch.float64)
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.randn(33, k, generator=g, device="cuda").to(dtype)
+            b = torch.randn(n, generator=g, device="cuda").to(dtype)
+            for nbytes in (1 << 20, 64 << 20):  # NaN in the blocks the scratch and y will reuse
+                torch.full((nbytes // 4,), float("nan"), device="cuda")
+            y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, b, 3, 0)
+            out.append((y.cpu(), (x.double() @ w64.t() + b.double()).cpu()))
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_dequant_path_row_chunks(tmp_path):
+    """The dequantize + cuBLAS path with a 1 MiB scratch (KBIT_DEQUANT_CHUNK_MIB, read once per
+    process, hence a subprocess): W is dequantized and multiplied 64 rows at a time, so every
+    chunk but the first starts at n_begin > 0 and the last ends inside a 64-column slab.
+    K = 2..5, fp16 and bf16, with bias, against float64."""
+    f = tmp_path / "chunks.pt"
+    subprocess.run([sys.executable, "-c", _DEQUANT_CHUNKS, str(f)], check=True, timeout=300,
+                   env=dict(os.environ, KBIT_DEQUANT_CHUNK_MIB="1"))
+    outs = torch.load(f)
+    assert len(outs) == 16
+    for i, (y, ref) in enumerate(outs):
+        dtype = torch.float16 if i % 2 == 0 else torch.bfloat16
+        assert torch.isfinite(y).all(), i
+        assert _rel_err(y, ref) < TOL[dtype], (i, _rel_err(y, ref))
 
 
 @pytest.mark.parametrize("bits", [3, 4])
