@@ -3,10 +3,9 @@
 // are defined in Python (vllm_kbit/ops.py); this file registers their CUDA kernels and adds a
 // few C++-only ops for tests and benchmarks (TORCH_LIBRARY_FRAGMENT below).
 //
-// gemm picks its path from M (and N for 8 < M <= 16) inside the op (GEMV for M <= gemv_max_m(bits)
-// except wide layers at 8 < M <= 16, then on Hopper the wgmma kernel up to wgmma_max_m(bits), else
-// the mma.sync kernel below dequant_min_m(bits), dequantize + cuBLAS from there; see kbit_ops.h
-// and auto_path below), with no
+// gemm picks its path from M inside the op (GEMV for M <= gemv_max_m(bits), then on Hopper the
+// wgmma kernel up to wgmma_max_m(bits), else the mma.sync kernel below dequant_min_m(bits),
+// dequantize + cuBLAS from there; see kbit_ops.h and auto_path below), with no
 // host sync and a grid that depends on shapes only, so it can be captured in a CUDA graph
 // and is opaque to torch.compile.
 #include <Python.h>
@@ -233,11 +232,10 @@ void gemm_dequant(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   }
 }
 
-// The path kbit::gemm takes (kbit_ops.h: from M, and for 8 < M <= 16 from N too).
-int64_t auto_path(int64_t m, int64_t n, int64_t bits, int num_sms) {
-  const bool wgmma = m <= wgmma_max_m(int(bits)) && wgmma_supported();
-  if (m <= gemv_max_m(int(bits)) && !(wgmma && wide_small_m_to_wgmma(int(m), int(n), num_sms))) return kGemv;
-  if (wgmma) return kWgmma;
+// The path kbit::gemm takes (kbit_ops.h: from M alone).
+int64_t auto_path(int64_t m, int64_t bits) {
+  if (m <= gemv_max_m(int(bits))) return kGemv;
+  if (m <= wgmma_max_m(int(bits)) && wgmma_supported()) return kWgmma;
   return kHasMma && m < dequant_min_m(int(bits)) ? kMma : kDequant;
 }
 
@@ -251,7 +249,7 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const at::Tensor* bias = bias_opt.has_value() && bias_opt->defined() ? &*bias_opt : nullptr;
   const void* bias_ptr = bias != nullptr ? bias->data_ptr() : nullptr;
   const int num_sms = device_props(x).multiProcessorCount;
-  if (path == kAuto) path = auto_path(a.m, a.n, bits, num_sms);
+  if (path == kAuto) path = auto_path(a.m, bits);
   TORCH_CHECK(path >= kGemv && path <= kWgmma, msg("kbit::gemm_path: path must be 0..4, got ", path));
   TORCH_CHECK(path != kWgmma || wgmma_supported(), msg("kbit::gemm_path: the wgmma path needs a build with ",
               "TORCH_CUDA_ARCH_LIST containing 9.0a and a compute capability 9.0 GPU"));
@@ -334,10 +332,10 @@ int64_t dequant_min_m_op(int64_t bits) {
 
 bool has_mma_op() { return kHasMma; }
 
-int64_t auto_path_op(int64_t m, int64_t n, int64_t bits) {
+int64_t auto_path_op(int64_t m, int64_t bits) {
   check_bits(bits);
-  TORCH_CHECK(m > 0 && n > 0, msg("kbit::auto_path: M and N must be positive"));
-  return auto_path(m, n, bits, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  TORCH_CHECK(m > 0, msg("kbit::auto_path: M must be positive"));
+  return auto_path(m, bits);
 }
 
 bool has_wgmma_op() { return wgmma_supported(); }
@@ -392,7 +390,7 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("has_mma() -> bool", &kbit::has_mma_op);
   m.def("has_wgmma() -> bool", &kbit::has_wgmma_op);
   m.def("wgmma_max_m(int bits) -> int", &kbit::wgmma_max_m_op);
-  m.def("auto_path(int m, int n, int bits) -> int", &kbit::auto_path_op);
+  m.def("auto_path(int m, int bits) -> int", &kbit::auto_path_op);
   m.def("wgmma_plan(int m, int n, int k, int bits, ScalarType dtype, int splits=0) -> int[]", &kbit::wgmma_plan_op);
   m.def("mma_plan(int m, int n, int k, int bits) -> int[]", &kbit::mma_plan_op);  // MMA plan hook
 }

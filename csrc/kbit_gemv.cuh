@@ -42,9 +42,8 @@
 // decode step in one CUDA graph take 1608 us at M=1 against Marlin's 2149 (bench_decode.py). What
 // got it there: K=4's layout stores the nibble words (no transpose here), 16-warp CTAs where
 // the grid has at most one CTA per SM, one-wave split-K, 4-warp CTAs where the slabs fit four
-// per SM (28672x4096: 24.7 -> 23.3 us in the graph). At 8 < M <= 16 layers with a slab per SM
-// go to the wgmma kernel (kbit_ops.h); the others stay here, in 16-warp CTAs that stage x in
-// shared memory (kXRowBytes).
+// per SM (28672x4096: 24.7 -> 23.3 us in the graph). At 8 < M <= 16 every layer stays here
+// (kbit_ops.h), x staged in shared memory (kXRowBytes) by 16-warp or four 4-warp CTAs per SM.
 // Next: the ~5 us fixed cost per call (fill, table, reduction) on the small layers; K=3/5 still
 // transpose planes; M = 9..16 at one unit in flight per warp (two stages fit 128 registers).
 // Tried and not adopted (same-run A/B, H200): issuing the first unit loads before building the

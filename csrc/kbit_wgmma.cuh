@@ -5,7 +5,7 @@
 // Why this shape (Machete's transposition, seed 002): compute Y^T = W X^T with the
 // dequantized W as wgmma's register-sourced A operand and x^T as the shared-memory B operand.
 // Then the weights never round-trip through shared memory after decode, the tokens are the
-// wgmma N dimension (16..128 per CTA; M from 9 to 511 is served here), and the instruction is
+// wgmma N dimension (16..128 per CTA; M from 17 to 1023 is served here), and the instruction is
 // asynchronous: the tensor cores multiply one 32-block while the warps decode the next.
 //   * a warpgroup (4 warps): warp w owns the 64-column slab w of the CTA's slabs, i.e.
 //     exactly the lane-local fragments of kbit_layout.cuh (no data crosses lanes or warps).
@@ -697,7 +697,8 @@ template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn, i
 //     138.8; 8192x28672, 64: 74.0 -> 76.5), so R = 2 up to kShortChunk K-tiles. The 8B decode
 //     step at M = 32 (every layer <= 38 per CTA), R = 1 -> 2: K=2 2862 -> 2745, K=3 3423 ->
 //     3271, K=4 3169 -> 3135, K=5 4281 -> 4158 us.
-//   * MT = 16 (what dispatch sends here: layers of >= one slab per SM at 8 < M <= 16): R = 1.
+//   * MT = 16 (forced paths only since the GEMV serves M <= 16; measured when dispatch sent
+//     layers of >= one slab per SM at 8 < M <= 16 here): R = 1.
 //     The same step at M = 16 (28672x4096 on this kernel), R = 2 -> 1: K=2 2725 -> 2362,
 //     K=4 2579 -> 2543 us (K=3, K=5 within 0.6%).
 //   * R = 4 (one 512-thread CTA per SM, one row tile per warpgroup; a probe build) was slower
