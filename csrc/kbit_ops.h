@@ -111,7 +111,13 @@ size_t mma_workspace_bytes(int m, int n, int k, int bits, int num_sms);
 // M = 32 / 64 / 128 / 256 against the mma.sync kernel's 4242 / 6002 / 8368 / 13986 and
 // dequantize + cuBLAS's 13270 / 13265 / 13987 / 15324 (K = 2 and 5 likewise at M = 32..256);
 // after x went straight to shared memory (9cb0021) 17505 us at M = 512 against dequantize +
-// cuBLAS's 20373, and 32233 against 30827 at M = 1024. So wgmma up to 1023 rows.
+// cuBLAS's 20373, and 32233 against 30827 at M = 1024. So wgmma up to 1023 rows. With the
+// faster dequantize kernel (27fe379), same calls (bench_decode_large_m_paths_27fe379.json,
+// wgmma_rowsplit_r2_ab_afbc923.json): K=4 M = 512 16408 vs 18536, M = 768 26383 vs 24563,
+// M = 1024 (dequantize is the auto path there) 29449 vs 30354 wgmma vs dequantize; at M = 1024
+// K=2 27907 vs 28923, K=3 30366 vs 30148, K=5 34454 vs 30691. The crossover moves with K and is
+// not monotone in M (wave counts of the 128-token tile), so the threshold stays until a
+// per-K, per-M table is measured.
 // wgmma_supported(): this build has sm_90a code and the current device is compute 9.0.
 // `splits` = 0 picks the split-K factor (a thread-block cluster along K, no workspace);
 // 1..8 forces it. Returns cudaErrorNotSupported where wgmma_supported() is false.
