@@ -30,7 +30,7 @@ namespace {
 //     NU * S <= 4 SMs while each warp still streams >= 8 units (28672x4096: 448 CTAs in one
 //     wave, where 8-warp CTAs took 1.7 waves of two per SM; at M = 9..16, K = 2..5, in the
 //     decode graph: 0.88-1.05x the wgmma kernel's time, same call, gemv_narrow_m9_16_wip.json;
-//     the whole step at M = 9..16 0.92-0.99x, so the GEMV now serves it, kbit_ops.h).
+//     the whole step at M = 9..16 0.92-1.00x, so the GEMV now serves it, kbit_ops.h).
 //   * else, at M <= 8: two 8-warp CTAs per SM when every warp still streams >= 8 units, one
 //     per SM otherwise; S = 1 once NU alone covers that (57344x8192).
 // KBIT_GEMV_WARPS = 4 | 8 | 16 forces the CTA size (tuning; read once); at M > 8 every size

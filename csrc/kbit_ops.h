@@ -126,7 +126,7 @@ inline int wgmma_max_m(int /*bits*/) { return kWgmmaMaxM; }
 // The GEMV's one-n8-tile limit: above it x takes two n8 tiles (kbit_gemv.cuh).
 // Up to 16 rows the GEMV serves every layer: since its 8 < M <= 16 kernel stages x in shared
 // memory (7818647) and runs 28672x4096 in four 4-warp CTAs per SM (8afb6eb), the 8B decode step
-// with every layer on it took 0.92-0.99x the time of 28672x4096 on the wgmma kernel at every
+// with every layer on it took 0.92-1.00x the time of 28672x4096 on the wgmma kernel at every
 // K = 2..5 and M = 9, 12..16 (bench_decode.py --ms 9,12,13,14,15,16 --bits 2,3,4,5 --kbit-paths
 // gemv:0, H200, 27fe379; e.g. M = 16: K=2 2062 vs 2118, K=3 2351 vs 2513, K=4 2403 vs 2429,
 // K=5 3237 vs 3347 us). Before, wide layers (a slab per SM) went to wgmma at 8 < M <= 16.
