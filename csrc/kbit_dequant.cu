@@ -30,9 +30,11 @@ namespace {
 
 constexpr int kDqWarps = 4;  // warps per CTA (units are per warp; small CTAs pack the SMs)
 
-// One warp's staging block: 64 rows (the unit's columns) of one 32-block, padded by 16 bytes
-// so that the 8 rows a quarter-warp touches (writes: rows g = 0..7 of an n8 group; reads: 8
-// rows, one 16-byte chunk each) fall into distinct banks.
+// One warp's staging block: 64 rows (the unit's columns) of one 32-block, each padded by 16
+// bytes. For 2-byte outputs (rows of 80 B) that keeps both directions conflict-free: a 4-byte
+// store instruction covers rows g = 0..7 of one n8 group at word t of one 16-byte chunk (banks
+// 20 g + t + a constant: 32 distinct), and each quarter-warp of a 16-byte read takes chunk c of
+// 8 rows r (banks 20 r + 4 c + 0..3). fp32 output (a test hook) takes some 2-way conflicts.
 template <typename T> struct DqStaging {
   static constexpr int kRowBytes = kBlock * int(sizeof(T)) + 16;
   static constexpr int kBytes = kUnitN * kRowBytes;
