@@ -97,6 +97,21 @@ __device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
   return r;
 }
 
+// One lane's share of a 64x64 unit of the tiled layout (kbit_layout.cuh): its 16 bytes of each
+// bit-plane and the 16 absmax codes of its column group (the 4 lanes of a group read the same
+// bytes: one broadcast), by streaming 16-byte loads. The GEMV and the dequantize kernel read
+// units this way.
+template <int BITS> struct LaneUnit {
+  uint4 w[BITS];  // word w of plane b: component w of w[b]
+  uint4 a;        // absmax codes [w][q]
+  __device__ __forceinline__ void load(const uint32_t* packed, const uint8_t* absmax, long long unit, int lane) {
+    const uint32_t* wp = packed + unit * unit_words(BITS) + lane * 4;
+#pragma unroll
+    for (int b = 0; b < BITS; ++b) w[b] = ld_stream_v4(wp + b * 128);
+    a = ld_stream_v4(absmax + unit * kUnitAbsmaxBytes + (lane >> 2) * 16);
+  }
+};
+
 // shfl.idx reads only bits [4:0] of the source-lane operand (PTX ISA, shfl.sync), so a
 // shifted word whose low 5 bits hold an index can be passed without masking; __shfl_sync
 // documents no such guarantee, hence the explicit instruction.

@@ -49,20 +49,6 @@ template <> struct DqPair<float> { using type = float2; };
 template <typename T> __device__ __forceinline__ typename DqPair<T>::type dq_pair(float a, float b) { return pack2<T>(a, b); }
 template <> __device__ __forceinline__ float2 dq_pair<float>(float a, float b) { return make_float2(a, b); }
 
-template <int BITS> struct DqUnit {
-  uint4 w[BITS];
-  uint4 a;
-};
-
-template <int BITS>
-__device__ __forceinline__ void dq_load(DqUnit<BITS>& u, const uint32_t* packed, const uint8_t* absmax, long long unit,
-                                        int lane) {
-  const uint32_t* wp = packed + unit * unit_words(BITS) + lane * 4;
-#pragma unroll
-  for (int b = 0; b < BITS; ++b) u.w[b] = ld_stream_v4(wp + b * 128);
-  u.a = ld_stream_v4(absmax + unit * kUnitAbsmaxBytes + (lane >> 2) * 16);
-}
-
 template <typename T, int BITS>
 __global__ void __launch_bounds__(kDqWarps * 32) dequant_kernel(const uint32_t* __restrict__ packed,
                                                                 const uint8_t* __restrict__ absmax,
@@ -83,12 +69,12 @@ __global__ void __launch_bounds__(kDqWarps * 32) dequant_kernel(const uint32_t* 
   const long long units = (long long)(n_units(n_end) - nu0) * ku_count;
   const long long stride = (long long)gridDim.x * kDqWarps;
   long long u = (long long)blockIdx.x * kDqWarps + warp;
-  DqUnit<BITS> cur, nxt;
-  if (u < units) dq_load(cur, packed, absmax, (long long)(nu0 + u / ku_count) * ku_count + u % ku_count, lane);
+  LaneUnit<BITS> cur, nxt;  // the unit in decode, the next one in flight
+  if (u < units) cur.load(packed, absmax, (long long)(nu0 + u / ku_count) * ku_count + u % ku_count, lane);
   for (; u < units; u += stride) {
     const int nu = nu0 + int(u / ku_count), ku = int(u % ku_count);
     const long long un = u + stride;
-    if (un < units) dq_load(nxt, packed, absmax, (long long)(nu0 + un / ku_count) * ku_count + un % ku_count, lane);
+    if (un < units) nxt.load(packed, absmax, (long long)(nu0 + un / ku_count) * ku_count + un % ku_count, lane);
 #pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
       __syncwarp();  // the previous block's staging reads are done

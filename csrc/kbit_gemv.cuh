@@ -108,14 +108,11 @@ constexpr int kXSmemStages = 2;
 
 // One unit as a lane holds it in registers: its 16 bytes of each bit-plane, the 16 absmax
 // codes of its column group, and the x pairs its B fragments need.
-template <int BITS, int MT> struct Stage {
-  uint4 w[BITS];             // word w of plane b: component w of w[b]
-  uint4 a;                   // absmax codes [w][q]
+template <int BITS, int MT> struct Stage : LaneUnit<BITS> {  // planes w, absmax a
   uint32_t x[MT][2][4];      // [n8 tile][block][i]: x[row][32 kb + 2t + 8i .. +1]
 };
 
-// Loads of unit `ku` into registers: 16-byte streaming loads of the planes and absmax (the
-// 4 lanes of a column group read the same absmax bytes: one broadcast), 32-bit x loads.
+// Loads of unit `ku` into registers: the lane's planes and absmax (LaneUnit), 32-bit x loads.
 // (Measured: carrying incremented pointers across the loop instead of this index math costs
 // registers and was 10-20% slower at the 128-register cap.)
 // kXs: x goes to this stage's ring slot at `xslot` instead (16-byte chunk c = lane + 32 j is
@@ -123,11 +120,7 @@ template <int BITS, int MT> struct Stage {
 template <int BITS, int MT, typename T, bool kXs>
 __device__ __forceinline__ void load_stage(Stage<BITS, MT>& st, const Params& p, int nu, int ku, int lane,
                                            uint32_t xslot) {
-  const long long unit = (long long)nu * p.ku_count + ku;
-  const uint32_t* wp = p.packed + unit * unit_words(BITS) + lane * 4;
-#pragma unroll
-  for (int b = 0; b < BITS; ++b) st.w[b] = ld_stream_v4(wp + b * 128);
-  st.a = ld_stream_v4(p.absmax + unit * kUnitAbsmaxBytes + (lane >> 2) * 16);
+  st.load(p.packed, p.absmax, (long long)nu * p.ku_count + ku, lane);
   const T* x = static_cast<const T*>(p.x);
   if constexpr (kXs) {
 #pragma unroll

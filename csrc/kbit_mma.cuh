@@ -103,7 +103,6 @@ __device__ __forceinline__ void mbar_arrive(uint32_t addr) {
   asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(addr) : "memory");
 }
 
-
 // Codebook lookup: shfl.idx reads only bits [4:0] of the source-lane operand (PTX ISA,
 // shfl.sync), so a shifted index word can be passed without masking its upper bits;
 // __shfl_sync documents no such guarantee, hence the explicit instruction.

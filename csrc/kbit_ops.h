@@ -30,7 +30,13 @@ constexpr int kGemvMaxM = 16;
 // `gemm`'s own choice when the caller does not force a path (H200 measurements by
 // benchmarks/bench_gemm.py, 2026-11-21, results in benchmarks/results/):
 //   M <= gemv_max_m(bits)                    GEMV (faster than the mma and wgmma kernels at
-//                                            every M <= 16, below);
+//                                            every M <= 16);
+//     Every layer, wide ones included: since its 8 < M <= 16 kernel stages x in shared memory
+//     (7818647) and runs 28672x4096 in four 4-warp CTAs per SM (8afb6eb), the 8B decode step with
+//     every layer on it took 0.92-1.00x the time of 28672x4096 on the wgmma kernel at every K =
+//     2..5 and M = 9, 12..16 (bench_decode.py --ms 9,12,13,14,15,16 --bits 2,3,4,5 --kbit-paths
+//     gemv:0, H200, 27fe379; e.g. M = 16: K=2 2062 vs 2118, K=3 2351 vs 2513, K=4 2403 vs 2429, K=5
+//     3237 vs 3347 us). Before, wide layers (a slab per SM) went to wgmma at 8 < M <= 16.
 //   gemv_max_m < M <= wgmma_max_m(bits)      on Hopper builds with sm_90a: the wgmma kernel,
 //                                            then dequantize + cuBLAS (below);
 //   else M < dequant_min_m(bits)             the mma.sync tensor-core kernel (other GPUs);
@@ -124,12 +130,6 @@ size_t mma_workspace_bytes(int m, int n, int k, int bits, int num_sms);
 constexpr int kWgmmaMaxM = 1023;
 inline int wgmma_max_m(int /*bits*/) { return kWgmmaMaxM; }
 // The GEMV's one-n8-tile limit: above it x takes two n8 tiles (kbit_gemv.cuh).
-// Up to 16 rows the GEMV serves every layer: since its 8 < M <= 16 kernel stages x in shared
-// memory (7818647) and runs 28672x4096 in four 4-warp CTAs per SM (8afb6eb), the 8B decode step
-// with every layer on it took 0.92-1.00x the time of 28672x4096 on the wgmma kernel at every
-// K = 2..5 and M = 9, 12..16 (bench_decode.py --ms 9,12,13,14,15,16 --bits 2,3,4,5 --kbit-paths
-// gemv:0, H200, 27fe379; e.g. M = 16: K=2 2062 vs 2118, K=3 2351 vs 2513, K=4 2403 vs 2429,
-// K=5 3237 vs 3347 us). Before, wide layers (a slab per SM) went to wgmma at 8 < M <= 16.
 constexpr int kGemvOneTileM = 8;
 bool wgmma_supported();
 cudaError_t launch_wgmma(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,

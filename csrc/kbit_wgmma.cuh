@@ -88,7 +88,6 @@ template <int BITS, int MT, int CN, int R> struct Cfg {
   static_assert(!(R == 1 && MT == 128), "128 x 64 fp32 accumulators per thread do not fit the registers");
   // CN = 512 (R = 1): two warpgroups of four slabs each share one x tile (half the x traffic
   // per weight).
-  static constexpr int kRowSplit = R;
   static constexpr int kSlabsCta = CN / kUnitN;             // slabs (64 columns) per CTA
   static constexpr int kWG = R > 1 ? R : kSlabsCta / kSlabs;
   static constexpr int kThreads = 128 * kWG;
