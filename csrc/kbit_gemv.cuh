@@ -48,7 +48,12 @@
 // transpose planes; M = 9..16 at one unit in flight per warp (two stages fit 128 registers).
 // Tried and not adopted (same-run A/B, H200): issuing the first unit loads before building the
 // codebook table, at every M (2b7449f's predecessor: +0.5-1.5% at M = 1, 4, -2-5% at M = 16)
-// and at M <= 8 only (decode step at M = 1, 4, 8: within +-1%, 2% slower at M = 8).
+// and at M <= 8 only (decode step at M = 1, 4, 8: within +-1%, 2% slower at M = 8); at 8 < M <= 16,
+// deeper unit streams through fewer warps (a probe build: 12 warps x 3 stages at 168 registers,
+// 8 warps x 4 stages), so more bytes in flight per SM: the 8B decode step at M = 16, K = 2..5 took
+// 2178 / 2385 / 2384 / 3345 and 2247 / 2473 / 2482 / 3450 us against 16 warps' 2115 / 2342 /
+// 2410 / 3228 (bench_decode.py --ms 12,16 --bits 2,3,4,5 --per-shape --no-baselines, one call,
+// 8e153d2): the M = 16 kernel is not waiting on DRAM.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

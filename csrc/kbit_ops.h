@@ -122,13 +122,26 @@ size_t mma_workspace_bytes(int m, int n, int k, int bits, int num_sms);
 // wgmma_rowsplit_r2_ab_afbc923.json): K=4 M = 512 16408 vs 18536, M = 768 26383 vs 24563,
 // M = 1024 (dequantize is the auto path there) 29449 vs 30354 wgmma vs dequantize; at M = 1024
 // K=2 27907 vs 28923, K=3 30366 vs 30148, K=5 34454 vs 30691. The crossover moves with K and is
-// not monotone in M (wave counts of the 128-token tile), so the threshold stays until a
-// per-K, per-M table is measured.
+// not monotone in M (wave counts of the 128-token tile). Per K, one call (bench_decode.py --ms
+// 256,512,640,768,896,1000 --bits 2,3,4,5 --kbit-paths wgmma:0,dequant:0 --no-baselines, H200,
+// 8e153d2 + this threshold; bench_decode_wgmma_vs_dequant_k2_5_k5thr.json), step us, wgmma /
+// dequantize + cuBLAS:
+//         M = 512          640            768            896            1000
+//   K=2   15348 / 18647  20333 / 21400  25467 / 24914  25043 / 28584  27671 / 29617
+//   K=3   16797 / 19432  22268 / 22020  27769 / 25256  27871 / 29002  30698 / 30493
+//   K=4   16299 / 19841  21729 / 22419  27331 / 25416  27015 / 29649  29501 / 30964
+//   K=5   19052 / 20097  25008 / 23011  31391 / 26259  31597 / 30203  34677 / 31342
+// (wgmma wins everywhere at M = 256; two earlier calls agree within 5%.) K=5 (five planes, the
+// costliest decode) loses by 4-16% at every M from 640, so it leaves wgmma above 512 rows.
+// Elsewhere the dequantize path wins at 768 (6 token tiles: 5.1 waves of 28672x4096's 672 CTAs,
+// 1.1 of qkv's 144 on 132 SMs, an 8B-shape artifact) and by <= 1.1% at K=3 M = 640 / 1000, so
+// K=2..4 keep wgmma up to 1023 rows.
 // wgmma_supported(): this build has sm_90a code and the current device is compute 9.0.
 // `splits` = 0 picks the split-K factor (a thread-block cluster along K, no workspace);
 // 1..8 forces it. Returns cudaErrorNotSupported where wgmma_supported() is false.
 constexpr int kWgmmaMaxM = 1023;
-inline int wgmma_max_m(int /*bits*/) { return kWgmmaMaxM; }
+constexpr int kWgmmaMaxMK5 = 512;
+inline int wgmma_max_m(int bits) { return bits == 5 ? kWgmmaMaxMK5 : kWgmmaMaxM; }
 // The GEMV's one-n8-tile limit: above it x takes two n8 tiles (kbit_gemv.cuh).
 constexpr int kGemvOneTileM = 8;
 bool wgmma_supported();
