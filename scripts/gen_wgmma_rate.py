@@ -30,11 +30,14 @@ src = r'''
 __device__ __forceinline__ uint64_t desc(uint32_t addr) {
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
+// one wgmma m64nNk16, A from registers (RS = 1: a) or shared memory (RS = 0: da)
+template <int N, int RS>
+__device__ void mma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t da, uint64_t db);
 '''
 for n in (128, 256):
     for rs in (1, 0):
         src += f'''
-__device__ __forceinline__ void mma_{n}_{rs}(float (&d)[{n // 2}], const uint32_t (&a)[4], uint64_t da, uint64_t db) {{
+template <> __device__ __forceinline__ void mma<{n}, {rs}>(float (&d)[{n // 2}], const uint32_t (&a)[4], uint64_t da, uint64_t db) {{
   {wg_asm(n, rs)}
 }}
 '''
@@ -53,12 +56,7 @@ __global__ void __launch_bounds__(N == 256 ? 256 : 384, 1) rate(int iters, float
   for (int it = 0; it < iters; ++it) {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      if constexpr (N == 128 && RS) mma_128_1(*reinterpret_cast<float(*)[N / 2]>(d), a, da + 2 * s, db + 2 * s);
-      if constexpr (N == 128 && !RS) mma_128_0(*reinterpret_cast<float(*)[N / 2]>(d), a, da + 2 * s, db + 2 * s);
-      if constexpr (N == 256 && RS) mma_256_1(*reinterpret_cast<float(*)[N / 2]>(d), a, da + 2 * s, db + 2 * s);
-      if constexpr (N == 256 && !RS) mma_256_0(*reinterpret_cast<float(*)[N / 2]>(d), a, da + 2 * s, db + 2 * s);
-    }
+    for (int s = 0; s < 4; ++s) mma<N, RS>(d, a, da + 2 * s, db + 2 * s);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
 #pragma unroll
@@ -83,8 +81,6 @@ template <int N, int RS> void run(int wgs, int sms, float* out) {
   cudaEventSynchronize(b);
   float ms = 0.f;
   cudaEventElapsedTime(&ms, a, b);
-  int clk_khz = 0;
-  cudaDeviceGetAttribute(&clk_khz, cudaDevAttrClockRate, 0);
   const double wgmmas_per_sm = double(iters) * 4 * wgs;
   const double macs = wgmmas_per_sm * 64.0 * N * 16 * sms;
   printf("N=%d %s WGs=%d: %.3f ms, %.1f TFLOPS, %.1f ns per wgmma per SM (%s)\n", N, RS ? "RS" : "SS", wgs, ms,
