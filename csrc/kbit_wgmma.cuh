@@ -31,7 +31,10 @@
 //     at M = 128..256, 6-9% at M = 64.)
 //   * each lane reads back only its own 16 B per plane of its warp's unit (conflict-free LDS.128).
 //   * per K-tile: every thread waits for the stage's mbarrier, then one __syncthreads (every
-//     warp is past the previous tile, so the stage two tiles back may be refilled).
+//     warp is past the previous tile, so the stage two tiles back may be refilled). Where one
+//     CTA holds the SM (MT = 128), a producer warpgroup issues the copies instead and the
+//     consumers hand stages back through per-stage "empty" mbarriers: no CTA barrier in the
+//     loop (Cfg::kProducer); K=3,4 there use the wide-row pair table (Cfg::kWideLut).
 //   * split-K across a thread-block cluster (<= 8 CTAs along K), reduced through distributed
 //     shared memory in a fixed order: deterministic, no workspace, one launch (graph safe).
 #pragma once
@@ -90,17 +93,44 @@ template <int BITS, int MT, int CN, int R> struct Cfg {
   // per weight).
   static constexpr int kSlabsCta = CN / kUnitN;             // slabs (64 columns) per CTA
   static constexpr int kWG = R > 1 ? R : kSlabsCta / kSlabs;
-  static constexpr int kThreads = 128 * kWG;
+  static constexpr int kConsumers = 128 * kWG;              // the warpgroups that decode and multiply
   static constexpr int kSets = 4 / R;                       // accumulator sets (row tiles) per thread
   static constexpr int kHalves = R == 1 ? 2 : 1;            // plane words h a warp decodes per block
   // CTAs per SM the kernel is built for (__launch_bounds__): two where they fit (R = 2 at
   // MT <= 64: 64 accumulators in <= 128 registers, so 16 warps per SM)
   static constexpr int kCtasPerSm = (R == 1 && CN == 256) || (R == 2 && MT <= 64) ? 2 : 1;
+  // A producer warpgroup (one thread of it) issues every copy and the consumers hand stages
+  // back through "empty" mbarriers, so no CTA-wide barrier sits in the loop. Registers are
+  // allocated per warpgroup, so it is a whole one, which gives its registers to the consumers
+  // (setmaxnreg: 128 x 40 + 256 x 232 <= 64 K); only where one CTA holds the SM, and not in
+  // 512-column CTAs: ptxas still holds the whole kernel to 64 K / 384 threads = 168 registers,
+  // which MT = 128 (R = 2) uses exactly and R = 1's two words per warp exceed (spills). With the
+  // wide table (below): 7-10% faster at K=4, M = 128..512 on 28672x4096 and 57344x8192
+  // (wgmma_dev.py), 4-8% in the 8B decode step at K = 2..4 and 1-2% at K=5 (docs/MMA.md, tenth
+  // session). Alone, without the wide table, it was 9-12% slower (ninth session).
+#ifndef KBIT_WG_DEV_NOPRODUCER
+  static constexpr bool kProducer = kCtasPerSm == 1 && CN == 256;
+#else
+  static constexpr bool kProducer = false;
+#endif
+  static constexpr int kThreads = kConsumers + (kProducer ? 128 : 0);
   static constexpr int kUnitBytes = BITS * 512 + kUnitAbsmaxBytes;  // one layout unit
   static constexpr int kXBytes = MT * 128;    // MT rows x 64 k x 2 B; a multiple of the 1 KB swizzle atom
   static constexpr int kWBytes = kSlabsCta * kUnitBytes;    // one K-tile of W (the slabs' units)
   static constexpr int kStageBytes = kXBytes + (kWBytes + 1023) / 1024 * 1024;  // x tile, then W (1 KB steps)
   static constexpr int kLutOff = 0;
+  // Wide-row pair table (K=3,4, one CTA per SM; kbit_decode.cuh PairTable::kWideLutBytes): at
+  // the first 64 KB-aligned address of the CTA's window, so one PRMT forms a lookup address
+  // (the GEMV's scheme). Stages then fill the space below it and above it; barriers sit at
+  // kWideUsable. Whatever the window's start, that leaves at least kWideFit stages.
+#ifndef KBIT_WG_DEV_NOWIDELUT
+  static constexpr bool kWideLut = PairTable<BITS>::kLutEntries > 0 && kCtasPerSm == 1 && kLutReplicas == 32;
+#else
+  static constexpr bool kWideLut = false;
+#endif
+  static constexpr int kWideBytes = 232448;                      // the 227 KB opt-in maximum
+  static constexpr int kWideUsable = kWideBytes - 2048;           // from the 1 KB-aligned base
+  static constexpr int kWideFit = (kWideUsable - PairTable<BITS>::kWideLutBytes) / kStageBytes - 1;
   static constexpr int kStageOff = PairTable<BITS>::kLutBytes;  // a multiple of 1 KB (4 kLutReplicas B per entry)
   // Stages: as deep as fits next to the table in half an SM's shared memory (two CTAs per SM)
   // or a whole SM's (one), capped at 8. Tile t's stage
@@ -111,21 +141,23 @@ template <int BITS, int MT, int CN, int R> struct Cfg {
 #else
   static constexpr int kBudget = (kCtasPerSm == 2 ? 110 : 220) * 1024;
   static constexpr int kFit = (kBudget - kStageOff) / kStageBytes;
-  static constexpr int kStages = kFit > 8 ? 8 : kFit;
+  static constexpr int kStages = kWideLut ? (kWideFit > 8 ? 8 : kWideFit) : kFit > 8 ? 8 : kFit;
 #endif
   static constexpr int kLead = kStages - 2;                 // K-tiles issued ahead of the one computed
   static constexpr int kPipeBytes = kStageOff + kStages * kStageBytes;
   static constexpr int kAcc = kSets * MT / 2;               // fp32 accumulators per thread
-  static constexpr int kRedBytes = kAcc * kThreads * 4;     // split-K partials, over the drained pipeline
-  static constexpr int kBarCount = 1 + kSlabsCta;           // arrivals per phase: x's issuer, each slab's W issuer
+  static constexpr int kRedBytes = kAcc * kConsumers * 4;   // split-K partials, over the drained pipeline
+  // arrivals per phase: the producer; else x's issuer and each slab's W issuer
+  static constexpr int kBarCount = kProducer ? 1 : 1 + kSlabsCta;
   static constexpr int kBarOff = kPipeBytes > kRedBytes ? kPipeBytes : kRedBytes;  // one mbarrier per stage
-  static constexpr int kBytes = kBarOff + 8 * kStages + 1024;  // + alignment
+  static constexpr int kBytes = kWideLut ? kWideBytes : kBarOff + 8 * kStages * (kProducer ? 2 : 1) + 1024;  // full (+ empty), + alignment
   static_assert(kXBytes % 1024 == 0 && kStageBytes % 1024 == 0 && kStageOff % 1024 == 0,
                 "every stage's x tile starts on a 1 KB swizzle atom");
   static_assert(kUnitBytes % 16 == 0 && (BITS * 512) % 16 == 0, "bulk copies move 16 B multiples");
   static_assert(kXBytes + kSlabsCta * kUnitBytes < (1 << 20), "a stage's bytes fit the mbarrier's tx count");
   static_assert(kStages >= 3, "tile t + kStages - 2 is issued while tile t is computed");
   static_assert(kBytes <= 227 * 1024, "fits one SM's shared memory");
+  static_assert(!kWideLut || (kRedBytes <= kWideUsable && kWideFit >= 3), "the wide table leaves room for the pipeline");
 };
 
 // ----------------------------------------------------------------------------- PTX helpers
@@ -152,6 +184,15 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
 // arrival of the issuing thread.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Named barrier `id` (0 is __syncthreads) of `count` threads: the consumer warpgroups alone,
+// without the producer warpgroup.
+__device__ __forceinline__ void named_sync(uint32_t id, uint32_t count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// One arrival (a consumer thread hands a stage back to the producer).
+__device__ __forceinline__ void mbar_arrive1(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 // TMA: box (64 k, MT rows) of x at (k, row) -> the swizzled tile at `dst`; rows past M and k past
 // K arrive as zeros (the tensor map's bounds), so no predication and no padding of x.
@@ -260,7 +301,7 @@ template <typename T> __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint
 
 // A fragments of one plane word (block kb = wi / 2, n8 groups 4h..4h+3, h = wi % 2): row tiles
 // 2h (groups 4h, 4h+1) and 2h+1 (groups 4h+2, 4h+3) as A[qp][k16 step][register].
-template <int BITS, typename T>
+template <int BITS, typename T, bool kWideLut = false>
 __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint32_t codes, uint32_t (&A)[2][2][4],
                                             uint32_t lut_addr, uint32_t table) {
 #ifdef KBIT_WG_DEV_NODECODE
@@ -268,7 +309,7 @@ __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint
   for (int i = 0; i < 16; ++i) (&A[0][0][0])[i] = planes[i % BITS] ^ codes;
   return;
 #endif
-  Decoder<BITS, T> dec;
+  Decoder<BITS, T, kWideLut> dec;
   dec.load(planes);
 #pragma unroll
   for (int qp = 0; qp < 2; ++qp) {
@@ -309,7 +350,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
     wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap xmap) {
 #if KBIT_WGMMA_DEVICE
   using C = Cfg<BITS, MT, CN, R>;
-  constexpr int kThreads = C::kThreads, kSets = C::kSets;
+  constexpr int kThreads = C::kConsumers, kSets = C::kSets;  // threads that hold accumulators
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
@@ -325,20 +366,37 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
   const int m0 = token_tile() * MT;
   const int ku_begin = split * p.chunk;
   const int nt = max(0, min(p.ku_count, ku_begin + p.chunk) - ku_begin);
+  const bool producer = C::kProducer && tid >= kThreads;  // the last warpgroup (kProducer)
 
-  // one mbarrier per stage: a phase completes with kBarCount arrivals (each announcing its
-  // bytes) and those bytes landed
-  const uint32_t bar0 = base + C::kBarOff;
+  // stage s's address (x tile, then W); with the wide table, stages below and above it
+  uint32_t lut_base = base + C::kLutOff;
+  int n_low = C::kStages;
+  if constexpr (C::kWideLut) {
+    lut_base = (base + 0xFFFFu) & ~0xFFFFu;
+    n_low = int(lut_base - base) / C::kStageBytes;
+  }
+  const auto stage_addr = [&](int sg) -> uint32_t {
+    if constexpr (C::kWideLut)
+      return sg < n_low ? base + sg * C::kStageBytes
+                        : lut_base + PairTable<BITS>::kWideLutBytes + (sg - n_low) * C::kStageBytes;
+    return base + C::kStageOff + sg * C::kStageBytes;
+  };
+  // one "full" mbarrier per stage: a phase completes with kBarCount arrivals (each announcing
+  // its bytes) and those bytes landed; with a producer, one "empty" mbarrier per stage after
+  // them (a phase: every consumer thread is done reading the stage)
+  const uint32_t bar0 = base + (C::kWideLut ? C::kWideUsable : C::kBarOff);
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < C::kStages; ++s) mbar_init(bar0 + 8 * s, C::kBarCount);
+    if constexpr (C::kProducer)
+      for (int s = 0; s < C::kStages; ++s) mbar_init(bar0 + 8 * (C::kStages + s), kThreads);  // empty
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
   }
   wait_prior_grids();  // programmatic dependent launch (kbit_common.cuh): x may be the previous kernel's output
 
-  // K-tile i -> stage i % kStages: thread 0 loads x rows m0.. as stored, zeros past M and K
-  // (TMA); lane 0 of each slab's warp its unit (a slab past N copies unit 0: read, never used).
+  // Without a producer, K-tile i -> stage i % kStages: thread 0 loads x rows m0.. as stored,
+  // zeros past M and K (TMA); lane 0 of each slab's warp its unit.
   // Measured against thread 0 issuing every unit's copies and against cp.async of W by the
   // slab's warps (arriving on the same mbarrier): 2-5% faster at M = 64..256, equal at M = 16.
 #ifndef KBIT_WG_DEV_NOX
@@ -350,13 +408,19 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
   // one, so that the first (whose thread 0 issues x) does not also carry W's issue work
   // (0.2-1.1% faster at M = 128 / 256 on four shapes, wgmma_dev.py, same call)
   const bool w_loader = R == 1 || wg == R - 1;
+  // slab sl's unit of K-tile ku into stage st (a slab past N copies unit 0: read, never used)
+  const auto load_unit = [&](uint32_t st, int sl, int ku, uint32_t bar) {
+    const int n_unit = col_group() * C::kSlabsCta + sl;
+    const long long unit = (long long)(n_unit < n_units(p.n) ? n_unit : 0) * p.ku_count + ku;
+    const uint32_t wd = st + C::kXBytes + sl * C::kUnitBytes;
+    bulk_load(wd, p.packed + unit * unit_words(BITS), BITS * 512, bar);
+    bulk_load(wd + BITS * 512, p.absmax + unit * kUnitAbsmaxBytes, kUnitAbsmaxBytes, bar);
+  };
   const auto issue = [&](int i) {
     if (i >= nt) return;
     const int ku = ku_begin + i;
-    const uint32_t st = base + C::kStageOff + (i % C::kStages) * C::kStageBytes;
+    const uint32_t st = stage_addr(i % C::kStages);
     const uint32_t bar = bar0 + 8 * (i % C::kStages);
-    const long long unit = (long long)(slab_ok ? nu : 0) * p.ku_count + ku;
-    const uint32_t wd = st + C::kXBytes + slab * C::kUnitBytes;
     const bool w_issuer = w_loader && lane == 0;
     // the stage's previous generic-proxy reads (LDS of W) are ordered before the async writes
     if (tid == 0 || w_issuer) fence_proxy_async();
@@ -368,38 +432,74 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
     }
     if (w_issuer) {
       mbar_arrive_expect_tx(bar, C::kUnitBytes);
-      bulk_load(wd, p.packed + unit * unit_words(BITS), BITS * 512, bar);
-      bulk_load(wd + BITS * 512, p.absmax + unit * kUnitAbsmaxBytes, kUnitAbsmaxBytes, bar);
+      load_unit(st, slab, ku, bar);
     }
   };
 
+  __syncthreads();  // the barriers are initialised before anyone arrives or waits on them
+  const uint32_t empty0 = bar0 + 8 * C::kStages;  // kProducer: stage s is free again
+  if constexpr (C::kProducer) {
+    if (producer) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+      // every K-tile into stage i % kStages once the consumers have handed that stage back: the
+      // x box and each slab's unit, one mbarrier arrival announcing all their bytes
+      if (tid == kThreads) {
+        for (int i = 0; i < nt; ++i) {
+          const int sg = i % C::kStages, ku = ku_begin + i;
+          if (i >= C::kStages) mbar_wait(empty0 + 8 * sg, ((i / C::kStages) - 1) & 1);
+          const uint32_t st = stage_addr(sg), bar = bar0 + 8 * sg;
+          fence_proxy_async();
+          mbar_arrive_expect_tx(bar, kXTx + C::kSlabsCta * C::kUnitBytes);
+#ifndef KBIT_WG_DEV_NOX
+          tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
+#endif
+#pragma unroll
+          for (int sl = 0; sl < C::kSlabsCta; ++sl) load_unit(st, sl, ku, bar);
+        }
+      }
+      if (splits > 1) {  // the consumers' epilogue barriers (below)
+        __syncthreads();
+        cooperative_groups::this_cluster().sync();
+        cooperative_groups::this_cluster().sync();
+      }
+      return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  }
+  // (after the producer's branch: its 40 registers hold no accumulators)
   float acc[kSets][MT / 2];
 #pragma unroll
   for (int r = 0; r < kSets; ++r)
 #pragma unroll
     for (int i = 0; i < MT / 2; ++i) acc[r][i] = 0.f;
-
-  __syncthreads();  // the barriers are initialised before anyone arrives or waits on them
+  if constexpr (!C::kProducer) {
 #pragma unroll
-  for (int i = 0; i < C::kLead; ++i) issue(i);
-  // (published by the first iteration's __syncthreads)
-  const uint32_t table = init_codebook<BITS, T>(p.codebook, codebook_mult<T>(),
-                                                reinterpret_cast<uint32_t*>(smem + C::kLutOff), tid, kThreads);
-  const uint32_t lut_addr = opaque(base + C::kLutOff + 4u * (lane % kLutReplicas));
+    for (int i = 0; i < C::kLead; ++i) issue(i);
+  }
+  // (published by the first iteration's __syncthreads; with a producer, by a barrier of the
+  // consumers alone, so that the producer's first copies need not wait for the table)
+  const uint32_t table = init_codebook<BITS, T, C::kWideLut>(
+      p.codebook, codebook_mult<T>(), reinterpret_cast<uint32_t*>(smem + (lut_base - base)), tid, kThreads);
+  if constexpr (C::kProducer) named_sync(1, kThreads);
+  // the lane's replica, or with wide rows the PRMT key (Decoder::pair)
+  const uint32_t lut_addr = opaque(C::kWideLut ? (lut_base & 0xFFFF0000u) | (4u * lane)
+                                               : lut_base + 4u * (lane % kLutReplicas));
 
   // two A buffers: block b+1 decodes while block b multiplies (no spills: <= 255 registers, or
   // <= 128 for two 256-thread CTAs per SM, where K=5 at MT = 64 uses all 128 under CUDA 13)
   uint32_t A[2][kSets][2][4];
   for (int t = 0; t < nt; ++t) {
     stage_wait(bar0 + 8 * (t % C::kStages), (t / C::kStages) & 1);  // x and W of tile t have landed
-    // every warp is past iteration t - 1, whose wgmma.wait retired tile t - 2's reads: its
-    // stage may be refilled
+    if constexpr (!C::kProducer) {
+      // every warp is past iteration t - 1, whose wgmma.wait retired tile t - 2's reads: its
+      // stage may be refilled
 #ifndef KBIT_WG_DEV_NOSYNC  // probe only (wrong results): what the CTA-wide hand-off costs
-    __syncthreads();
+      __syncthreads();
 #endif
-    issue(t + C::kLead);  // into tile t - 2's stage
+      issue(t + C::kLead);  // into tile t - 2's stage
+    }
     // this lane's plane words and absmax codes of the unit: words w = 2 kb + h
-    const uint32_t xt = base + C::kStageOff + (t % C::kStages) * C::kStageBytes;
+    const uint32_t xt = stage_addr(t % C::kStages);
     const uint32_t wst = xt + C::kXBytes + slab * C::kUnitBytes;
     uint32_t pw[2][C::kHalves][BITS], codes[2][C::kHalves];
     if constexpr (R == 1) {
@@ -427,7 +527,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
       uint32_t(&Ab)[kSets][2][4] = A[kb];
 #pragma unroll
       for (int hh = 0; hh < C::kHalves; ++hh)
-        decode_word<BITS, T>(pw[kb][hh], codes[kb][hh], *reinterpret_cast<uint32_t(*)[2][2][4]>(&Ab[2 * hh]),
+        decode_word<BITS, T, C::kWideLut>(pw[kb][hh], codes[kb][hh], *reinterpret_cast<uint32_t(*)[2][2][4]>(&Ab[2 * hh]),
                              lut_addr, table);
 #pragma unroll
       for (int r = 0; r < kSets; ++r) fence_regs(acc[r]);
@@ -450,6 +550,13 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
       for (int r = 0; r < kSets; ++r)
 #pragma unroll
         for (int s = 0; s < 2; ++s) fence_regs(Ab[r][s]);
+      if constexpr (C::kProducer) {
+        // that group was tile t - 1's last: this thread is done with its stage. Every thread
+        // arrives, since an arrive releases only its own thread's reads (LDS of W); one lane per
+        // warp after a __syncwarp was 2-3% slower and racecheck reported the hand-off (WAR
+        // against the next bulk copy into the stage)
+        if (kb == 0 && t > 0) mbar_arrive1(empty0 + 8 * ((t - 1) % C::kStages));
+      }
     }
   }
   wgmma_wait<0>();

@@ -3,8 +3,9 @@
     compute-sanitizer --tool memcheck  python3 tests/sanitize_wgmma.py
     compute-sanitizer --tool racecheck python3 tests/sanitize_wgmma.py
 
-Covers the token tiles (16, 32, 64, 128), one and two warpgroups per CTA (row split), split-K
-clusters (forced 1, 3, 8 and the plan's),
+Covers the token tiles (16, 32, 64, 128), one and two warpgroups per CTA (row split), the
+producer warpgroup and the wide pair table (tile 128), split-K clusters (forced 1, 2, 3, 8 and
+the plan's),
 the M / N / K tails (rows past M, slabs past N, K % 64 == 32), bias, fp16 and bf16, K = 2..5.
 Shapes are tiny so the tools finish in seconds. Exits non-zero if a result is off (the
 sanitizer reports its own errors). Exits 0 with a note where the wgmma path is unavailable.
@@ -23,6 +24,9 @@ CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)
     (100, 300, 1056, 5, torch.bfloat16, True, 1),     # two token tiles, rows past M
     (40, 520, 1024, 4, torch.float16, False, 0),
     (24, 200, 8192, 3, torch.float16, True, 1),       # tile 32, one warpgroup (128 K-tiles per CTA)
+    (100, 300, 4128, 4, torch.float16, True, 3),      # tile 128: producer warpgroup + wide table, 3-CTA cluster
+    (130, 520, 2048, 3, torch.bfloat16, False, 0),    # two 128-token tiles, wide table, the plan's split
+    (72, 200, 1024, 2, torch.float16, True, 2),       # tile 128 at K=2: producer, replicated table
 ]
 
 
