@@ -102,12 +102,12 @@ template <int BITS, int MT, int CN, int R> struct Cfg {
   // A producer warpgroup (one thread of it) issues every copy and the consumers hand stages
   // back through "empty" mbarriers, so no CTA-wide barrier sits in the loop. Registers are
   // allocated per warpgroup, so it is a whole one, which gives its registers to the consumers
-  // (setmaxnreg: 128 x 40 + 256 x 232 <= 64 K); only where one CTA holds the SM, and not in
-  // 512-column CTAs: ptxas still holds the whole kernel to 64 K / 384 threads = 168 registers,
-  // which MT = 128 (R = 2) uses exactly and R = 1's two words per warp exceed (spills). With the
-  // wide table (below): 7-10% faster at K=4, M = 128..512 on 28672x4096 and 57344x8192
-  // (wgmma_dev.py), 4-8% in the 8B decode step at K = 2..4 and 1-2% at K=5 (docs/MMA.md, tenth
-  // session). Alone, without the wide table, it was 9-12% slower (ninth session).
+  // (setmaxnreg: 128 x 40 + 256 x 232 <= 64 K; the launch takes 168 a thread, the consumers'
+  // code after the raise uses up to 187); only where one CTA holds the SM, and not in 512-column
+  // CTAs (forced only): the copies of eight slabs spill out of the producer's 40 registers (64
+  // would fit; not measured). With the wide table (below): 7-10% faster at K=4, M = 128..512
+  // on 28672x4096 and 57344x8192 (wgmma_dev.py), 4-8% in the 8B decode step at K = 2..4 and
+  // 1-2% at K=5 (docs/MMA.md, tenth session).
 #ifndef KBIT_WG_DEV_NOPRODUCER
   static constexpr bool kProducer = kCtasPerSm == 1 && CN == 256;
 #else
