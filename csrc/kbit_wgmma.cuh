@@ -34,7 +34,8 @@
 //     warp is past the previous tile, so the stage two tiles back may be refilled). Where one
 //     CTA holds the SM (MT = 128), a producer warpgroup issues the copies instead and the
 //     consumers hand stages back through per-stage "empty" mbarriers: no CTA barrier in the
-//     loop (Cfg::kProducer); K=3,4 there use the wide-row pair table (Cfg::kWideLut).
+//     loop (Cfg::kProducer). K=3,4 use the wide-row pair table wherever one CTA holds the SM
+//     (Cfg::kWideLut: 128-token tiles, and the forced 512-column CTAs).
 //   * split-K across a thread-block cluster (<= 8 CTAs along K), reduced through distributed
 //     shared memory in a fixed order: deterministic, no workspace, one launch (graph safe).
 #pragma once
@@ -158,6 +159,7 @@ template <int BITS, int MT, int CN, int R> struct Cfg {
   static_assert(kStages >= 3, "tile t + kStages - 2 is issued while tile t is computed");
   static_assert(kBytes <= 227 * 1024, "fits one SM's shared memory");
   static_assert(!kWideLut || (kRedBytes <= kWideUsable && kWideFit >= 3), "the wide table leaves room for the pipeline");
+  static_assert(!kWideLut || kStages <= kWideFit, "stages beside the wide table (KBIT_WG_DEV_STAGES too)");
 };
 
 // ----------------------------------------------------------------------------- PTX helpers

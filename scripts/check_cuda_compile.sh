@@ -17,6 +17,19 @@ printf '%s\n' "${SOURCES[@]}" | xargs -P "$(nproc)" -I{} sh -c \
   "$NVCC" {} "$OUTDIR"
 echo "check_cuda_compile: ${#SOURCES[@]} sources compile for sm_80 and sm_90a"
 
+# The wgmma kernel's 128-token tiles hand registers from the producer warpgroup to the consumers
+# (setmaxnreg 40 / 232, kbit_wgmma.cuh Cfg::kProducer): the raise waits until the pool holds
+# 8 x 232 + 4 x 40 registers a warp, which needs the launch's 168 a thread (64 K / 384). Any
+# other count (a changed launch bound, -maxrregcount) would hang the kernel, so it fails here.
+for o in "$OUTDIR"/wgmma_k*.cu.o; do
+  bad=$(cuobjdump --dump-resource-usage -arch sm_90a "$o" | grep -A1 "wgmma_kernelILi[0-9]ELi128ELi256ELi2E" \
+        | grep -o "REG:[0-9]*" | grep -v -x "REG:168" || true)
+  [ -z "$bad" ] || { echo "FAILED: $(basename "$o"): producer tiles launch with $bad, not 168 registers"; exit 1; }
+  n=$(cuobjdump --dump-resource-usage -arch sm_90a "$o" | grep -c "wgmma_kernelILi[0-9]ELi128ELi256ELi2E" || true)
+  [ "$n" -gt 0 ] || { echo "FAILED: $(basename "$o"): no 128-token tile instantiation found"; exit 1; }
+done
+echo "check_cuda_compile: the wgmma producer tiles launch with 168 registers"
+
 TORCH_INC="$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))')"
 PY_INC="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
 for f in csrc/*.cpp; do
