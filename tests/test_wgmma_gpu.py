@@ -81,9 +81,11 @@ def test_forced_splits(splits, m):
 def test_wide_ctas(m, monkeypatch):
     # 512-column CTAs (two warpgroups sharing the x tile), forced by the tuning override:
     # N = 1000 leaves the second warpgroup's slabs partly and wholly past N; splits on and off.
+    # One CTA per SM, so K=3,4 decode with the wide-row pair table (Cfg::kWideLut).
     monkeypatch.setenv("KBIT_WGMMA_WIDE", "1")
     assert plan(m, 1000, 4128, 4)["cols"] == 512
-    for bits, dtype, splits in ((4, torch.float16, 0), (2, torch.bfloat16, 3), (5, torch.float16, 1)):
+    for bits, dtype, splits in ((4, torch.float16, 0), (3, torch.bfloat16, 2), (2, torch.bfloat16, 3),
+                                (5, torch.float16, 1)):
         check(m, 1000, 4128, bits, dtype, bias=True, splits=splits)
 
 
