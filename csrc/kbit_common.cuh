@@ -164,6 +164,11 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr
 __device__ __forceinline__ void mbar_init(uint32_t addr, uint32_t count) {
   asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(addr), "r"(count));
 }
+// One arrival. It releases only this thread's own earlier accesses: where several threads
+// read a stage, each arrives (racecheck reports a single lane arriving after __syncwarp).
+__device__ __forceinline__ void mbar_arrive(uint32_t addr) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(addr) : "memory");
+}
 // Spins until the phase of parity `parity` has completed; on sm_90 try_wait lets the warp
 // sleep inside the instruction for a while instead of re-issuing a poll every cycle.
 __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {

@@ -67,14 +67,15 @@ __global__ void __launch_bounds__(kDqWarps * 32) dequant_kernel(const uint32_t* 
   const int ku_count = k_units(k), nb = k / kBlock;
   const int nu0 = n_begin / kUnitN;
   const long long units = (long long)(n_units(n_end) - nu0) * ku_count;
+  const long long unit0 = (long long)nu0 * ku_count;  // layout unit nu * ku_count + ku: item u is unit0 + u
   const long long stride = (long long)gridDim.x * kDqWarps;
   long long u = (long long)blockIdx.x * kDqWarps + warp;
   LaneUnit<BITS> cur, nxt;  // the unit in decode, the next one in flight
-  if (u < units) cur.load(packed, absmax, (long long)(nu0 + u / ku_count) * ku_count + u % ku_count, lane);
+  if (u < units) cur.load(packed, absmax, unit0 + u, lane);
   for (; u < units; u += stride) {
     const int nu = nu0 + int(u / ku_count), ku = int(u % ku_count);
     const long long un = u + stride;
-    if (un < units) nxt.load(packed, absmax, (long long)(nu0 + un / ku_count) * ku_count + un % ku_count, lane);
+    if (un < units) nxt.load(packed, absmax, unit0 + un, lane);
 #pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
       __syncwarp();  // the previous block's staging reads are done

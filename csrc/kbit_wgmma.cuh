@@ -141,8 +141,8 @@ template <int BITS, int MT, int CN, int R> struct Cfg {
   static constexpr int kStages = KBIT_WG_DEV_STAGES;
 #else
   static constexpr int kBudget = (kCtasPerSm == 2 ? 110 : 220) * 1024;
-  static constexpr int kFit = (kBudget - kStageOff) / kStageBytes;
-  static constexpr int kStages = kWideLut ? (kWideFit > 8 ? 8 : kWideFit) : kFit > 8 ? 8 : kFit;
+  static constexpr int kFit = kWideLut ? kWideFit : (kBudget - kStageOff) / kStageBytes;
+  static constexpr int kStages = kFit > 8 ? 8 : kFit;
 #endif
   static constexpr int kLead = kStages - 2;                 // K-tiles issued ahead of the one computed
   static constexpr int kPipeBytes = kStageOff + kStages * kStageBytes;
@@ -191,10 +191,6 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 // without the producer warpgroup.
 __device__ __forceinline__ void named_sync(uint32_t id, uint32_t count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-// One arrival (a consumer thread hands a stage back to the producer).
-__device__ __forceinline__ void mbar_arrive1(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 // TMA: box (64 k, MT rows) of x at (k, row) -> the swizzled tile at `dst`; rows past M and k past
 // K arrive as zeros (the tensor map's bounds), so no predication and no padding of x.
@@ -557,7 +553,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
         // arrives, since an arrive releases only its own thread's reads (LDS of W); one lane per
         // warp after a __syncwarp was 2-3% slower and racecheck reported the hand-off (WAR
         // against the next bulk copy into the stage)
-        if (kb == 0 && t > 0) mbar_arrive1(empty0 + 8 * ((t - 1) % C::kStages));
+        if (kb == 0 && t > 0) mbar_arrive(empty0 + 8 * ((t - 1) % C::kStages));
       }
     }
   }

@@ -22,11 +22,11 @@ echo "check_cuda_compile: ${#SOURCES[@]} sources compile for sm_80 and sm_90a"
 # 8 x 232 + 4 x 40 registers a warp, which needs the launch's 168 a thread (64 K / 384). Any
 # other count (a changed launch bound, -maxrregcount) would hang the kernel, so it fails here.
 for o in "$OUTDIR"/wgmma_k*.cu.o; do
-  bad=$(cuobjdump --dump-resource-usage -arch sm_90a "$o" | grep -A1 "wgmma_kernelILi[0-9]ELi128ELi256ELi2E" \
-        | grep -o "REG:[0-9]*" | grep -v -x "REG:168" || true)
+  regs=$(cuobjdump --dump-resource-usage -arch sm_90a "$o" | grep -A1 "wgmma_kernelILi[0-9]ELi128ELi256ELi2E" \
+         | grep -o "REG:[0-9]*" || true)
+  [ -n "$regs" ] || { echo "FAILED: $(basename "$o"): no 128-token tile instantiation found"; exit 1; }
+  bad=$(echo "$regs" | grep -v -x "REG:168" || true)
   [ -z "$bad" ] || { echo "FAILED: $(basename "$o"): producer tiles launch with $bad, not 168 registers"; exit 1; }
-  n=$(cuobjdump --dump-resource-usage -arch sm_90a "$o" | grep -c "wgmma_kernelILi[0-9]ELi128ELi256ELi2E" || true)
-  [ "$n" -gt 0 ] || { echo "FAILED: $(basename "$o"): no 128-token tile instantiation found"; exit 1; }
 done
 echo "check_cuda_compile: the wgmma producer tiles launch with 168 registers"
 
