@@ -53,7 +53,10 @@
 // 8 warps x 4 stages), so more bytes in flight per SM: the 8B decode step at M = 16, K = 2..5 took
 // 2178 / 2385 / 2384 / 3345 and 2247 / 2473 / 2482 / 3450 us against 16 warps' 2115 / 2342 /
 // 2410 / 3228 (bench_decode.py --ms 12,16 --bits 2,3,4,5 --per-shape --no-baselines, one call,
-// 8e153d2): the M = 16 kernel is not waiting on DRAM.
+// 8e153d2): the M = 16 kernel is not waiting on DRAM; nor was it helped by L2 bulk prefetches of
+// the weights 2-8 units ahead, or by CTAs of two slabs whose warp pairs share x tiles (30-37%
+// slower; docs/MMA.md, Next, has the probe table: x costs ~20% of the M = 16 step, the scale
+// FFMAs 11%).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -223,12 +226,12 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
   }
 }
 
-// The one-CTA-per-SM configurations (16 warps, and the 8-warp M > 8 one) of K=3,4 read a pair
-// table with wide rows (PairTable::kWideLutBytes): one instruction less per pair (Decoder), for
-// up to 64 KB of padding and twice the table, which only a CTA alone on its SM can spare, and
-// only where the device lets one CTA have that much (launch_alone): sm_90 (227 KB) always;
-// sm_80 (163 KB) at M <= 8 (100-133 KB) but not with the M > 8 x ring (205 KB); sm_86 / sm_89
-// (99 KB) never. KBIT_GEMV_WIDE_LUT=0 (read once) takes the packed table everywhere (A/B).
+// The one-CTA-per-SM configurations (16 warps, and the 8-warp M > 8 one with x in registers)
+// of K=3,4 read a pair table with wide rows (PairTable::kWideLutBytes): one
+// instruction less per pair (Decoder), for up to 64 KB of padding and twice the table, which
+// only a CTA alone on its SM can spare, and only where the device lets one CTA have that much
+// (launch_alone): sm_90 (227 KB) always; sm_80 (163 KB) at M <= 8 (100-133 KB); sm_86 / sm_89
+// (99 KB) never; at M > 8 with the x ring (205 KB) K=3 only (launch_dt says why). KBIT_GEMV_WIDE_LUT=0 (read once) takes the packed table everywhere (A/B).
 template <int BITS, int MT, int W> constexpr bool wide_lut() {
   return Traits<BITS>::kLutEntries > 0 && min_blocks<MT, W>() == 1 && kLutReplicas == 32;
 }
@@ -447,10 +450,14 @@ template <int BITS, typename T>
 cudaError_t launch_dt(const Params& p, int splits, int warps, cudaStream_t stream) {
   if (p.m > kGemvOneTileM) {
     // 16 (or 4, four per SM) warps with x through shared memory where the device lets a CTA
-    // have the ring, else the 8-warp register kernel
+    // have the ring, else the 8-warp register kernel. At K=4 the 16-warp ring kernel reads the
+    // packed pair table, at K=3 the wide-row one: 8B decode step at M = 12 / 16, wide against
+    // packed (KBIT_GEMV_WIDE_LUT=0), same call, H200, c07121f: K=4 2359 / 2417 against 2301 /
+    // 2359 us, K=3 2326 / 2331 against 2363 / 2366.
     static const bool x_regs = env_off("KBIT_GEMV_XSMEM");
     if (!x_regs && device_fits<Smem<BITS, 2, kWideWarps, false, true>>()) {
       if (warps == kNarrowWarps) return launch_t<BITS, 2, T, kNarrowWarps, false, true>(p, splits, stream);
+      if constexpr (BITS == 4) return launch_t<BITS, 2, T, kWideWarps, false, true>(p, splits, stream);
       return launch_alone<BITS, 2, T, kWideWarps, true>(p, splits, stream);
     }
     return launch_alone<BITS, 2, T, kWarps>(p, splits, stream);

@@ -173,7 +173,7 @@ def test_gemv_cta_sizes(bits, dtype):
     """M <= 8 runs 16-warp CTAs where 64-column slabs x splits fit one per SM, 4-warp CTAs
     (four per SM) where the slabs fit four per SM, 8-warp CTAs (two per SM) beyond
     (kbit_gemv.cu): shapes in each range and on their edges, forced splits included. The
-    16-warp CTAs (and the M > 8 ones) read the wide-row pair table (K=3,4, kbit_gemv.cuh)."""
+    16-warp CTAs read the wide-row pair table (K=3,4; at M > 8 K=3 only, kbit_gemv.cuh)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for n, k, splits in [(1000, 2080, 0), (64 * sms // 2 - 24, 1056, 2), (64 * 2 * sms + 8, 1056, 0),
                          (64 * sms + 8, 544, 2), (64 * sms + 8, 2080, 0), (64 * 4 * sms, 1056, 0),
@@ -205,9 +205,10 @@ torch.save(out, sys.argv[1])
 
 
 def test_gemv_variants(tmp_path):
-    """The GEMV's per-device choices: the wide-row pair table (K=3,4, CTAs alone on their SM)
-    against the packed one that sm_86 / sm_89 take (KBIT_GEMV_WIDE_LUT=0) must give the same
-    bits (same values, same order); the 8-warp kernel with x in registers that those devices
+    """The GEMV's per-device choices: the wide-row pair table (K=3,4, CTAs alone on their SM;
+    at M > 8 K=3 only) against the packed one that sm_86 /
+    sm_89 take (KBIT_GEMV_WIDE_LUT=0) must give the same bits (same values, same order); the
+    8-warp kernel with x in registers that those devices
     run at 8 < M <= 16 (KBIT_GEMV_XSMEM=0; another summation order than the 16-warp kernel)
     must meet the float64 reference like the default. The switches are read once per process:
     one subprocess each, K = 2..5, M = 1, 13 (rows past M zero-filled), 16."""
