@@ -227,11 +227,12 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
 }
 
 // The one-CTA-per-SM configurations (16 warps, and the 8-warp M > 8 one with x in registers)
-// of K=3,4 read a pair table with wide rows (PairTable::kWideLutBytes): one
-// instruction less per pair (Decoder), for up to 64 KB of padding and twice the table, which
-// only a CTA alone on its SM can spare, and only where the device lets one CTA have that much
-// (launch_alone): sm_90 (227 KB) always; sm_80 (163 KB) at M <= 8 (100-133 KB); sm_86 / sm_89
-// (99 KB) never; at M > 8 with the x ring (205 KB) K=3 only (launch_dt says why). KBIT_GEMV_WIDE_LUT=0 (read once) takes the packed table everywhere (A/B).
+// of K=3,4 read a pair table with wide rows (PairTable::kWideLutBytes): one instruction less
+// per pair (Decoder), for up to 64 KB of padding and twice the table, which only a CTA alone
+// on its SM can spare, and only where the device lets one CTA have that much (launch_alone):
+// sm_90 (227 KB) always, but at M > 8 with the x ring (205 KB) for K=3 only (launch_dt says
+// why); sm_80 (163 KB) at M <= 8 (100-133 KB); sm_86 / sm_89 (99 KB) never.
+// KBIT_GEMV_WIDE_LUT=0 (read once) takes the packed table everywhere (A/B).
 template <int BITS, int MT, int W> constexpr bool wide_lut() {
   return Traits<BITS>::kLutEntries > 0 && min_blocks<MT, W>() == 1 && kLutReplicas == 32;
 }
