@@ -230,11 +230,14 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
 // of K=3,4 read a pair table with wide rows (PairTable::kWideLutBytes): one instruction less
 // per pair (Decoder), for up to 64 KB of padding and twice the table, which only a CTA alone
 // on its SM can spare, and only where the device lets one CTA have that much (launch_alone):
-// sm_90 (227 KB) always, but at M > 8 with the x ring (205 KB) for K=3 only (launch_dt says
-// why); sm_80 (163 KB) at M <= 8 (100-133 KB); sm_86 / sm_89 (99 KB) never.
+// sm_90 (227 KB) always; sm_80 (163 KB) at M <= 8 (100-133 KB); sm_86 / sm_89 (99 KB) never.
+// Not the K=4 16-warp kernel with the x ring (M > 8): 8B decode step at M = 12 / 16, wide
+// against packed (KBIT_GEMV_WIDE_LUT=0), same call, H200, c07121f: K=4 2359 / 2417 against
+// 2301 / 2359 us, K=3 2326 / 2331 against 2363 / 2366.
 // KBIT_GEMV_WIDE_LUT=0 (read once) takes the packed table everywhere (A/B).
 template <int BITS, int MT, int W> constexpr bool wide_lut() {
-  return Traits<BITS>::kLutEntries > 0 && min_blocks<MT, W>() == 1 && kLutReplicas == 32;
+  return Traits<BITS>::kLutEntries > 0 && min_blocks<MT, W>() == 1 && kLutReplicas == 32 &&
+         !(BITS == 4 && MT == 2 && W == kWideWarps);
 }
 
 // The dynamic shared memory opt-in of `Kernel`, once per device. It is a per-kernel, per-device
@@ -451,14 +454,10 @@ template <int BITS, typename T>
 cudaError_t launch_dt(const Params& p, int splits, int warps, cudaStream_t stream) {
   if (p.m > kGemvOneTileM) {
     // 16 (or 4, four per SM) warps with x through shared memory where the device lets a CTA
-    // have the ring, else the 8-warp register kernel. At K=4 the 16-warp ring kernel reads the
-    // packed pair table, at K=3 the wide-row one: 8B decode step at M = 12 / 16, wide against
-    // packed (KBIT_GEMV_WIDE_LUT=0), same call, H200, c07121f: K=4 2359 / 2417 against 2301 /
-    // 2359 us, K=3 2326 / 2331 against 2363 / 2366.
+    // have the ring, else the 8-warp register kernel
     static const bool x_regs = env_off("KBIT_GEMV_XSMEM");
     if (!x_regs && device_fits<Smem<BITS, 2, kWideWarps, false, true>>()) {
       if (warps == kNarrowWarps) return launch_t<BITS, 2, T, kNarrowWarps, false, true>(p, splits, stream);
-      if constexpr (BITS == 4) return launch_t<BITS, 2, T, kWideWarps, false, true>(p, splits, stream);
       return launch_alone<BITS, 2, T, kWideWarps, true>(p, splits, stream);
     }
     return launch_alone<BITS, 2, T, kWarps>(p, splits, stream);

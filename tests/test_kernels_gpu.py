@@ -208,8 +208,8 @@ def test_gemv_variants(tmp_path):
     """The GEMV's per-device choices: the wide-row pair table (K=3,4, CTAs alone on their SM;
     at M > 8 K=3 only) against the packed one that sm_86 / sm_89 take (KBIT_GEMV_WIDE_LUT=0)
     must give the same bits (same values, same order); the 8-warp kernel with x in registers
-    that those devices run at 8 < M <= 16 (KBIT_GEMV_XSMEM=0; another summation order than the 16-warp kernel)
-    must meet the float64 reference like the default. The switches are read once per process:
+    that those devices run at 8 < M <= 16 (KBIT_GEMV_XSMEM=0; another summation order than the
+    16-warp kernel) must meet the float64 reference like the default. The switches are read once per process:
     one subprocess each, K = 2..5, M = 1, 13 (rows past M zero-filled), 16."""
     outs = {}
     for name, env in (("default", {}), ("packed", {"KBIT_GEMV_WIDE_LUT": "0"}), ("x_regs", {"KBIT_GEMV_XSMEM": "0"})):
