@@ -7,6 +7,7 @@ choice), cuBLAS fp16, and Marlin / Machete W4 g128 when vLLM is importable.
 
   python3 benchmarks/bench_decode.py [--ms 1,16] [--bits 2,4] [--per-shape] [--out DIR]
   python3 benchmarks/bench_decode.py --kbit-paths gemv:1,gemv:2,wgmma:0 --no-baselines   # forced path:splits
+  python3 benchmarks/bench_decode.py --between   # an elementwise kernel writes x before each GEMM
 
 Reports µs per step, GB/s of the weights read (and % of the copy bandwidth measured in the same
 run); --per-shape also replays 32 layers of one shape at a time (µs per kernel).
@@ -69,6 +70,10 @@ def main():
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--per-shape", action="store_true")
     ap.add_argument("--kbit-paths", default="", help="also forced kbit paths, PATH:SPLITS, e.g. gemv:2,wgmma:0")
+    ap.add_argument("--between", action="store_true",
+                    help="before each GEMM an in-place elementwise kernel rewrites its input, as vLLM's norms and "
+                         "activation do (a predecessor that writes x and knows nothing of PDL); the time of those "
+                         "kernels alone is reported as method 'between'")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     from vllm_kbit import ops
@@ -87,6 +92,12 @@ def main():
     gpu = torch.cuda.get_device_name()
     bg.log(f"# {gpu}; device-to-device copy {copy_bw:.0f} GB/s")
     results = []
+    if args.between:
+        for m in ms:
+            xs = {k: torch.randn(m, k, dtype=bg.DT, device="cuda") for k in (4096, 14336)}
+            us = graph_time([(lambda t: t.mul_(1.0), SHAPES[name][1]) for _ in range(LAYERS) for name in SHAPES], xs)
+            results.append({"method": "between", "m": m, "what": "step", "us": us})
+            bg.log(f"{'between':<13} M={m:<3} step {us:8.1f} us  (the elementwise kernels alone)")
     for method in methods:
         bits = int(method[4:].split("-")[0]) if method.startswith("kbit") else 4
         layers, wbytes = [], {}
@@ -104,6 +115,8 @@ def main():
                 continue
             xs = {k: torch.randn(m, k, dtype=bg.DT, device="cuda") for k in (4096, 14336)}
             calls = [(layer[name], SHAPES[name][1]) for layer in layers for name in SHAPES]
+            if args.between:
+                calls = [(lambda t, fn=fn: fn(t.mul_(1.0)), k) for fn, k in calls]
             us = graph_time(calls, xs)
             wb = LAYERS * sum(wbytes.values())
             r = {"method": method, "m": m, "what": "step", "us": us, "weight_bytes": wb,
@@ -112,7 +125,10 @@ def main():
             bg.log(f"{method:<13} M={m:<3} step {us:8.1f} us  {r['gbs']:6.0f} GB/s  {r['pct_copy']:5.1f}% of copy")
             if args.per_shape:
                 for name, (n, k) in SHAPES.items():
-                    us = graph_time([(layer[name], k) for layer in layers], xs) / LAYERS
+                    one = [(layer[name], k) for layer in layers]
+                    if args.between:
+                        one = [(lambda t, fn=fn: fn(t.mul_(1.0)), k) for fn, k in one]
+                    us = graph_time(one, xs) / LAYERS
                     r = {"method": method, "m": m, "what": name, "us": us, "weight_bytes": wbytes[name],
                          "gbs": wbytes[name] / (us * 1e-6) / 1e9}
                     results.append(r)
@@ -121,13 +137,14 @@ def main():
         torch.cuda.empty_cache()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     meta = {"gpu": gpu, "date": stamp, "commit": bg.git_commit(), "command": " ".join([sys.executable] + sys.argv),
+            "env": {k: v for k, v in os.environ.items() if k.startswith("KBIT_")},
             "copy_bw_gbs": copy_bw, "torch": torch.__version__, "layers": LAYERS, "shapes": SHAPES}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"bench_decode_{stamp}.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     bg.log(f"\n# decode-step linear layers, Llama-3-8B shape, {gpu} ({meta['commit']}): µs per step")
     bg.log("method".ljust(14) + "".join(f"M={m}".rjust(12) for m in ms))
-    for method in methods:
+    for method in (["between"] if args.between else []) + methods:
         cells = [next((f"{r['us']:.0f}" for r in results if r["method"] == method and r["m"] == m and
                        r["what"] == "step"), "-") for m in ms]
         bg.log(method.ljust(14) + "".join(c.rjust(12) for c in cells))

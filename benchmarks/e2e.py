@@ -6,6 +6,7 @@ Machete), and kbit K = 2..5, each in its own engine process, same method for all
   throughput  --num-prompts prompts of 512 -> 256 tokens, submitted at once (`vllm bench throughput`).
 
     python3 benchmarks/e2e.py --workdir /tmp/e2e [--configs bf16,gptq4,kbit4] [--num-prompts 1000] [--tag NAME]
+    python3 benchmarks/e2e.py --configs kbit4,kbit4+KBIT_PDL=1   # A/B: a config + its engine's environment
 
 Weights: bf16 and kbit use --load-format dummy (kbit fills random *valid* kbit weights); GPTQ
 gets a real checkpoint with valid packed 4-bit weights (round-to-nearest, group 128, written
@@ -199,7 +200,9 @@ def main() -> None:
     base = write_model_dir(args.workdir / f"llama-{args.shape}", LLAMA3_8B if args.shape == "8b" else LLAMA3_70B)
     results = {}
     for name in args.configs.split(","):
-        c = CONFIGS[name]
+        base_name, *assignments = name.split("+")  # e.g. kbit4+KBIT_PDL=1: environment of that engine
+        c = CONFIGS[base_name]
+        env = dict(os.environ, **dict(a.split("=", 1) for a in assignments))
         model, extra = base, []
         if c.get("gptq"):
             # dummy loading reads no weights: its folder needs the config (and tokenizer) alone
@@ -213,9 +216,9 @@ def main() -> None:
             extra += ["--quantization", c["quantization"], "--bits", str(c["bits"])]
         cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--iters", str(args.iters),
                "--num-prompts", str(args.num_prompts), *extra]
-        print("$", " ".join(cmd), flush=True)
+        print("$", " ".join(assignments + cmd), flush=True)
         # stdout and stderr together, streamed: E2E_PARTIAL lines show up as they are measured
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
         lines = []
         for l in p.stdout:
             lines.append(l.rstrip("\n"))

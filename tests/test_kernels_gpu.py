@@ -269,6 +269,64 @@ def test_dequant_path_row_chunks(tmp_path):
         assert _rel_err(y, ref) < TOL[dtype], (i, _rel_err(y, ref))
 
 
+_PDL_CHAIN = r"""
+import sys
+import torch
+from vllm_kbit import format as kf
+from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+out = []
+n = k = 2080  # square, so one layer's output feeds the next; a half unit at the end of K
+for bits in (2, 4, 5):
+    g = torch.Generator(device="cuda").manual_seed(bits)
+    qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 32 * bits), generator=g, device="cuda", dtype=torch.int32)
+    absmax = torch.randint(0x28, 0xA8, (n, k // 32), generator=g, device="cuda", dtype=torch.int32).to(torch.uint8)
+    packed, ap = torch.ops.kbit.repack(qweight, absmax, bits)
+    cb = kf.normal_float_codebook(bits, "cuda")
+    w64 = kf.dequantize(qweight, absmax, bits, cb, dtype=torch.float64)
+    for m in (1, 16, 64, 200):  # GEMV, GEMV with the x ring, wgmma 2-CTA tiles, 128-token tiles
+        x_static = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        chain = lambda: (lambda y1: (y1, torch.ops.kbit.gemm(y1, packed, ap, cb, bits, n, k, None)))(
+            torch.ops.kbit.gemm(x_static * 2, packed, ap, cb, bits, n, k, None))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            chain()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y1, y2 = chain()
+        for _ in range(2):
+            x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+            x_static.copy_(x)
+            y1.fill_(float("nan")); y2.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            out.append((y1.cpu(), y2.cpu(), (2 * x.double() @ w64.t()).cpu(), (y1.double() @ w64.t()).cpu()))
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_pdl_launch_chain(tmp_path):
+    """Programmatic dependent launch (opt-in, KBIT_PDL=1, read once per process: one subprocess
+    each way): in a CUDA graph, a torch kernel writes x, a GEMM reads it, and a second GEMM reads
+    the first one's output, so each GEMM's griddepcontrol.wait is what keeps it from reading its
+    input early. K = 2, 4, 5, M = 1, 16 (GEMV), 64, 200 (wgmma), outputs NaN-filled before every
+    replay: the same bits with and without the attribute, and both layers meet the float64
+    reference (the second one on the first one's actual output)."""
+    outs = {}
+    for name, env in (("default", {}), ("pdl", {"KBIT_PDL": "1"})):
+        f = tmp_path / f"{name}.pt"
+        subprocess.run([sys.executable, "-c", _PDL_CHAIN, str(f)], check=True, timeout=300,
+                       env=dict(os.environ, **env))
+        outs[name] = torch.load(f)
+        assert len(outs[name]) == 24
+    for i, (y1, y2, ref1, ref2) in enumerate(outs["pdl"]):
+        assert torch.equal(y1, outs["default"][i][0]) and torch.equal(y2, outs["default"][i][1]), i
+        for y, ref in ((y1, ref1), (y2, ref2)):
+            assert torch.isfinite(y).all(), i
+            assert _rel_err(y, ref) < TOL[torch.bfloat16], (i, _rel_err(y, ref))
+
+
 @pytest.mark.parametrize("bits", [3, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_forced_paths(bits, dtype):
