@@ -191,8 +191,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
 #endif
 }
 
-// Programmatic dependent launch (sm_90, opt-in: KBIT_PDL=1, use_pdl in kbit_ops.h). The GEMM
-// kernels are then launched with
+// Programmatic dependent launch (sm_90; use_pdl in kbit_ops.h). The GEMM kernels are launched with
 // cudaLaunchAttributeProgrammaticStreamSerialization, so their CTAs may be scheduled (shared
 // memory and registers allocated, launch latency paid) while the previous kernel on the stream
 // drains. This wait, the first thing those kernels do, blocks until that kernel has completed

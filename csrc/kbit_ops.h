@@ -97,22 +97,18 @@ inline bool env_off(const char* name) {
   const char* f = std::getenv(name);
   return f != nullptr && f[0] == '0';
 }
-inline bool env_on(const char* name) {
-  const char* f = std::getenv(name);
-  return f != nullptr && f[0] == '1';
-}
 
 // Whether the GEMV and wgmma kernels are launched with programmatic dependent launch
-// (kbit_common.cuh, wait_prior_grids): only with KBIT_PDL=1, on compute capability >= 9.0.
-// PDL pays when the kernel before ours triggers its dependents early, i.e. in a chain of our own
-// GEMMs (bench_decode.py: 8B step at M = 1 1673 us with, 1708 without). In vLLM the kernel
-// before every linear layer is a norm, activation or attention kernel that knows nothing of
-// PDL, and there the attribute costs time: with an elementwise kernel writing x before each
-// GEMM (bench_decode.py --between), M = 1 / 16 / 64 took 1870 / 2570 / 3926 us with it and
-// 1840 / 2540 / 3865 without (H200, 83097bb, one call, docs/MMA.md).
+// (kbit_common.cuh, wait_prior_grids): on compute capability >= 9.0 unless KBIT_PDL=0.
+// PDL pays in a chain of our own GEMMs (bench_decode.py, 8B step at M = 1 / 16 / 64: 1608 /
+// 2334 / 3614 us with it, 1664 / 2391 / 3635 without) and costs a little behind a kernel that
+// knows nothing of PDL (--between, an elementwise kernel writing x before each GEMM: 1828 /
+// 2563 / 3925 with, 1802 / 2536 / 3859 without; H200, d9beda9, one call). vLLM puts such
+// kernels before every linear layer, yet end to end (e2e.py, 8B, same call) the two are even:
+// bs=1 0.685 s with against 0.677 without, bs=16 0.936 against 0.951, 35.5 against 35.4 req/s.
 inline bool use_pdl() {
-  static const bool enabled = env_on("KBIT_PDL");
-  return enabled && device_is_sm90_or_newer();
+  static const bool disabled = env_off("KBIT_PDL");
+  return !disabled && device_is_sm90_or_newer();
 }
 
 // Tensor-core kernel for large M (implemented by kbit_mma.cuh + generated/mma_k*.cu).
