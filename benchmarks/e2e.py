@@ -3,7 +3,9 @@ Machete), and kbit K = 2..5, each in its own engine process, same method for all
 
   latency     one batch of bs = 1 and bs = 16, 128 prompt tokens -> 256 generated (ignore_eos),
               as `vllm bench latency` does (random token ids, median of --iters after a warm-up);
-  throughput  --num-prompts prompts of 512 -> 256 tokens, submitted at once (`vllm bench throughput`).
+  throughput  --num-prompts prompts of 512 -> 256 tokens, submitted at once (`vllm bench throughput`),
+              with at most --max-num-seqs running: 256 in every result up to the thirteenth session;
+              0 leaves vLLM's default (1024 on an H100 / H200, what `vllm bench throughput` runs).
 
     python3 benchmarks/e2e.py --workdir /tmp/e2e [--configs bf16,gptq4,kbit4] [--num-prompts 1000] [--tag NAME]
     python3 benchmarks/e2e.py --configs kbit4,kbit4+KBIT_PDL=1   # A/B: a config + its engine's environment
@@ -122,7 +124,9 @@ def worker(args) -> None:
     from vllm.inputs import TokensPrompt
 
     kw = dict(model=args.model, max_model_len=1024, gpu_memory_utilization=0.9, seed=0,
-              enable_prefix_caching=False, max_num_seqs=256)
+              enable_prefix_caching=False)
+    if args.max_num_seqs:
+        kw["max_num_seqs"] = args.max_num_seqs
     if args.quantization:
         kw["quantization"] = args.quantization
     if args.bits:  # a kbit config on a plain model folder, the vLLM way: through hf_overrides
@@ -142,10 +146,12 @@ def worker(args) -> None:
 
     out = {"quantization": vc.model_config.quantization, "startup_s": startup,
            "kv_cache_tokens": (vc.cache_config.num_gpu_blocks or 0) * vc.cache_config.block_size,
+           "max_num_seqs": vc.scheduler_config.max_num_seqs,
+           "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
            "gpu_mem_used_gib": (torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]) / 2**30}
     print("E2E_PARTIAL " + json.dumps(out), flush=True)  # what is measured so far survives a timeout
     lat_sp = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0.0)
-    for bs in (1, 16):
+    for bs in (1, 16) if args.iters else ():
         batch = prompts(bs, 128)
         llm.generate(batch, lat_sp, use_tqdm=False)  # warm-up
         times = []
@@ -184,7 +190,8 @@ def main() -> None:
     ap.add_argument("--configs", default="bf16,gptq4,kbit2,kbit3,kbit4,kbit5")
     ap.add_argument("--shape", choices=["8b", "70b"], default="8b")
     ap.add_argument("--num-prompts", type=int, default=1000)
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=3, help="latency runs per batch size (0: no latency)")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="0: vLLM's default")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--tag", help="stem of the result files (default e2e_SHAPE)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -215,7 +222,7 @@ def main() -> None:
         if c.get("quantization"):
             extra += ["--quantization", c["quantization"], "--bits", str(c["bits"])]
         cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--iters", str(args.iters),
-               "--num-prompts", str(args.num_prompts), *extra]
+               "--num-prompts", str(args.num_prompts), "--max-num-seqs", str(args.max_num_seqs), *extra]
         print("$", " ".join(assignments + cmd), flush=True)
         # stdout and stderr together, streamed: E2E_PARTIAL lines show up as they are measured
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
@@ -253,7 +260,7 @@ def report(args, results) -> None:
         if "error" in r:
             rows.append(f"| {name} | error: {r['error'][:80]} | | | | |")
             continue
-        rows.append(f"| {name} | {r['latency_bs1_s']:.3f} | {r['latency_bs16_s']:.3f} | "
+        rows.append(f"| {name} | {r.get('latency_bs1_s', float('nan')):.3f} | {r.get('latency_bs16_s', float('nan')):.3f} | "
                     f"{r.get('throughput_req_s', float('nan')):.1f} | {r['kv_cache_tokens']} | {r['gpu_mem_used_gib']:.1f} |")
     md = f"{stamp['gpu']}, {stamp['date']}, commit {stamp['commit']}\n\n`{stamp['command']}`\n\n" + "\n".join(rows) + "\n"
     (args.out / f"{tag}.md").write_text(md)
