@@ -182,20 +182,29 @@ def test_gemv_cta_sizes(bits, dtype):
             _check_gemm(n, k, bits, dtype, m, path=PATH_GEMV, splits=splits, bias=(m == 6))
 
 
-_GEMV_OUTPUTS = r"""
+# The start of the scripts the tests below run in subprocesses (a switch read once per process).
+_SCRIPT_PRELUDE = r"""
 import sys
 import torch
 from vllm_kbit import format as kf
 from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
-out = []
-n, k = 1000, 2080  # a half unit at the end of K
-for bits in (2, 3, 4, 5):
-    g = torch.Generator(device="cuda").manual_seed(bits)
+
+
+def weight(n, k, bits, g):  # a random tiled weight (_random_weight without the special blocks)
     qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 32 * bits), generator=g, device="cuda", dtype=torch.int32)
     absmax = torch.randint(0x28, 0xA8, (n, k // 32), generator=g, device="cuda", dtype=torch.int32).to(torch.uint8)
     packed, ap = torch.ops.kbit.repack(qweight, absmax, bits)
     cb = kf.normal_float_codebook(bits, "cuda")
-    w64 = kf.dequantize(qweight, absmax, bits, cb, dtype=torch.float64)
+    return packed, ap, cb, kf.dequantize(qweight, absmax, bits, cb, dtype=torch.float64)
+"""
+
+
+_GEMV_OUTPUTS = _SCRIPT_PRELUDE + r"""
+out = []
+n, k = 1000, 2080  # a half unit at the end of K
+for bits in (2, 3, 4, 5):
+    g = torch.Generator(device="cuda").manual_seed(bits)
+    packed, ap, cb, w64 = weight(n, k, bits, g)
     for m in (1, 13, 16):
         x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
         y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, 0)
@@ -227,21 +236,13 @@ def test_gemv_variants(tmp_path):
             assert _rel_err(y, ref) < TOL[torch.bfloat16], (name, i, _rel_err(y, ref))
 
 
-_DEQUANT_CHUNKS = r"""
-import sys
-import torch
-from vllm_kbit import format as kf
-from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+_DEQUANT_CHUNKS = _SCRIPT_PRELUDE + r"""
 out = []
 k = 4128  # a half unit at the end of K
 for n in (200, 1000):  # neither a multiple of 64: the last chunk ends inside a slab
     for bits in (2, 3, 4, 5):
         g = torch.Generator(device="cuda").manual_seed(n + bits)
-        qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 32 * bits), generator=g, device="cuda", dtype=torch.int32)
-        absmax = torch.randint(0x28, 0xA8, (n, k // 32), generator=g, device="cuda", dtype=torch.int32).to(torch.uint8)
-        packed, ap = torch.ops.kbit.repack(qweight, absmax, bits)
-        cb = kf.normal_float_codebook(bits, "cuda")
-        w64 = kf.dequantize(qweight, absmax, bits, cb, dtype=torch.float64)
+        packed, ap, cb, w64 = weight(n, k, bits, g)
         for dtype in (torch.float16, torch.bfloat16):
             x = torch.randn(33, k, generator=g, device="cuda").to(dtype)
             b = torch.randn(n, generator=g, device="cuda").to(dtype)
@@ -269,20 +270,12 @@ def test_dequant_path_row_chunks(tmp_path):
         assert _rel_err(y, ref) < TOL[dtype], (i, _rel_err(y, ref))
 
 
-_PDL_CHAIN = r"""
-import sys
-import torch
-from vllm_kbit import format as kf
-from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+_PDL_CHAIN = _SCRIPT_PRELUDE + r"""
 out = []
 n = k = 2080  # square, so one layer's output feeds the next; a half unit at the end of K
 for bits in (2, 4, 5):
     g = torch.Generator(device="cuda").manual_seed(bits)
-    qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 32 * bits), generator=g, device="cuda", dtype=torch.int32)
-    absmax = torch.randint(0x28, 0xA8, (n, k // 32), generator=g, device="cuda", dtype=torch.int32).to(torch.uint8)
-    packed, ap = torch.ops.kbit.repack(qweight, absmax, bits)
-    cb = kf.normal_float_codebook(bits, "cuda")
-    w64 = kf.dequantize(qweight, absmax, bits, cb, dtype=torch.float64)
+    packed, ap, cb, w64 = weight(n, k, bits, g)
     for m in (1, 16, 64, 200):  # GEMV, GEMV with the x ring, wgmma 2-CTA tiles, 128-token tiles
         x_static = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
         chain = lambda: (lambda y1: (y1, torch.ops.kbit.gemm(y1, packed, ap, cb, bits, n, k, None)))(
