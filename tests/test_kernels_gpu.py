@@ -201,14 +201,16 @@ def weight(n, k, bits, g):  # a random tiled weight (_random_weight without the 
 
 _GEMV_OUTPUTS = _SCRIPT_PRELUDE + r"""
 out = []
-n, k = 1000, 2080  # a half unit at the end of K
-for bits in (2, 3, 4, 5):
-    g = torch.Generator(device="cuda").manual_seed(bits)
-    packed, ap, cb, w64 = weight(n, k, bits, g)
-    for m in (1, 13, 16):
-        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-        y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, 0)
-        out.append((y.cpu(), (x.double() @ w64.t()).cpu()))
+# 16 slabs (16-warp CTAs), 200 slabs (four 4-warp CTAs per SM on 132 SMs); half a unit at the
+# end of K
+for n, k in ((1000, 2080), (12800, 2080)):
+    for bits in (2, 3, 4, 5):
+        g = torch.Generator(device="cuda").manual_seed(bits)
+        packed, ap, cb, w64 = weight(n, k, bits, g)
+        for m in (1, 13, 16):
+            x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+            y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, 0)
+            out.append((y.cpu(), (x.double() @ w64.t()).cpu()))
 torch.save(out, sys.argv[1])
 """
 
@@ -219,15 +221,15 @@ def test_gemv_variants(tmp_path):
     must give the same bits (same values, same order); the 8-warp kernel with x in registers
     that those devices run at 8 < M <= 16 (KBIT_GEMV_XSMEM=0; another summation order than the
     16-warp kernel) must meet the float64 reference like the default. The switches are read once per process:
-    one subprocess each, K = 2..5, M = 1, 13 (rows past M zero-filled), 16."""
+    one subprocess each, two shapes, K = 2..5, M = 1, 13 (rows past M zero-filled), 16."""
     outs = {}
     for name, env in (("default", {}), ("packed", {"KBIT_GEMV_WIDE_LUT": "0"}), ("x_regs", {"KBIT_GEMV_XSMEM": "0"})):
         f = tmp_path / f"{name}.pt"
         subprocess.run([sys.executable, "-c", _GEMV_OUTPUTS, str(f)], check=True, timeout=300,
                        env=dict(os.environ, **env))
         outs[name] = torch.load(f)
-        assert len(outs[name]) == 12
-    for i in range(12):
+        assert len(outs[name]) == 24
+    for i in range(24):
         y, ref = outs["default"][i]
         assert torch.equal(outs["packed"][i][0], y), i
         for name in ("default", "x_regs"):
