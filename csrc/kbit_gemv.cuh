@@ -44,8 +44,11 @@
 // the grid has at most one CTA per SM, one-wave split-K, 4-warp CTAs where the slabs fit four
 // per SM (28672x4096: 24.7 -> 23.3 us in the graph). At 8 < M <= 16 every layer stays here
 // (kbit_ops.h), x staged in shared memory (kXRowBytes) by 16-warp or four 4-warp CTAs per SM.
-// Next: the ~5 us fixed cost per call (fill, table, reduction) on the small layers; K=3/5 still
-// transpose planes; M = 9..16 at one unit in flight per warp (two stages fit 128 registers).
+// Next: the ~5 us fixed cost per call on the small layers (a per-CTA trace, docs/MMA.md: launch
+// gap < 1 us, table ~0.5, reduction 1-3); K=3/5 still transpose planes; M = 9..16 at one unit in
+// flight per warp (two stages fit 128 registers). 28672x4096's CTAs end up to 5.5 / 10.4 us apart
+// (M = 1 / 16); spreading its 448 slabs' units evenly over the SMs, whole or only the 52 left
+// over, through a workspace, was correct and slower (docs/probes/gemv_balanced_*, _tail_split_*).
 // Tried and not adopted (same-run A/B, H200): issuing the first unit loads before building the
 // codebook table, at every M (2b7449f's predecessor: +0.5-1.5% at M = 1, 4, -2-5% at M = 16)
 // and at M <= 8 only (decode step at M = 1, 4, 8: within +-1%, 2% slower at M = 8); at 8 < M <= 16,
