@@ -55,6 +55,11 @@ def graph_time(calls, xs, reps=30):
     return statistics.median(times)
 
 
+def between(calls):
+    """`calls` with an in-place elementwise kernel writing each GEMM's input first (--between)."""
+    return [(lambda t, fn=fn: fn(t.mul_(1.0)), k) for fn, k in calls]
+
+
 def make(method, n, k, bits):
     if method.startswith("kbit"):  # kbitB or kbitB-PATH:SPLITS (a forced path, tuning)
         path, splits = (method.split("-", 1)[1].split(":") + ["0"])[:2] if "-" in method else ("auto", "0")
@@ -95,7 +100,7 @@ def main():
     if args.between:
         for m in ms:
             xs = {k: torch.randn(m, k, dtype=bg.DT, device="cuda") for k in (4096, 14336)}
-            us = graph_time([(lambda t: t.mul_(1.0), SHAPES[name][1]) for _ in range(LAYERS) for name in SHAPES], xs)
+            us = graph_time(between([(lambda t: t, SHAPES[name][1]) for _ in range(LAYERS) for name in SHAPES]), xs)
             results.append({"method": "between", "m": m, "what": "step", "us": us})
             bg.log(f"{'between':<13} M={m:<3} step {us:8.1f} us  (the elementwise kernels alone)")
     for method in methods:
@@ -116,7 +121,7 @@ def main():
             xs = {k: torch.randn(m, k, dtype=bg.DT, device="cuda") for k in (4096, 14336)}
             calls = [(layer[name], SHAPES[name][1]) for layer in layers for name in SHAPES]
             if args.between:
-                calls = [(lambda t, fn=fn: fn(t.mul_(1.0)), k) for fn, k in calls]
+                calls = between(calls)
             us = graph_time(calls, xs)
             wb = LAYERS * sum(wbytes.values())
             r = {"method": method, "m": m, "what": "step", "us": us, "weight_bytes": wb,
@@ -126,9 +131,7 @@ def main():
             if args.per_shape:
                 for name, (n, k) in SHAPES.items():
                     one = [(layer[name], k) for layer in layers]
-                    if args.between:
-                        one = [(lambda t, fn=fn: fn(t.mul_(1.0)), k) for fn, k in one]
-                    us = graph_time(one, xs) / LAYERS
+                    us = graph_time(between(one) if args.between else one, xs) / LAYERS
                     r = {"method": method, "m": m, "what": name, "us": us, "weight_bytes": wbytes[name],
                          "gbs": wbytes[name] / (us * 1e-6) / 1e9}
                     results.append(r)

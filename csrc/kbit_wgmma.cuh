@@ -383,11 +383,12 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
   // its bytes) and those bytes landed; with a producer, one "empty" mbarrier per stage after
   // them (a phase: every consumer thread is done reading the stage)
   const uint32_t bar0 = base + (C::kWideLut ? C::kWideUsable : C::kBarOff);
+  const uint32_t empty0 = bar0 + 8 * C::kStages;  // kProducer: stage s is free again
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < C::kStages; ++s) mbar_init(bar0 + 8 * s, C::kBarCount);
     if constexpr (C::kProducer)
-      for (int s = 0; s < C::kStages; ++s) mbar_init(bar0 + 8 * (C::kStages + s), kThreads);  // empty
+      for (int s = 0; s < C::kStages; ++s) mbar_init(empty0 + 8 * s, kThreads);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
   }
@@ -435,7 +436,6 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
   };
 
   __syncthreads();  // the barriers are initialised before anyone arrives or waits on them
-  const uint32_t empty0 = bar0 + 8 * C::kStages;  // kProducer: stage s is free again
   if constexpr (C::kProducer) {
     if (producer) {
       asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
