@@ -9,6 +9,7 @@ Machete), and kbit K = 2..5, each in its own engine process, same method for all
 
     python3 benchmarks/e2e.py --workdir /tmp/e2e [--configs bf16,gptq4,kbit4] [--num-prompts 1000] [--tag NAME]
     python3 benchmarks/e2e.py --configs kbit4,kbit4+KBIT_PDL=1   # A/B: a config + its engine's environment
+    python3 benchmarks/e2e.py --configs kbit4,kbit4_lmhead       # lm_head kbit too ("lm_head": true)
 
 Weights: bf16 and kbit use --load-format dummy (kbit fills random *valid* kbit weights); GPTQ
 gets a real checkpoint with valid packed 4-bit weights (round-to-nearest, group 128, written
@@ -130,7 +131,8 @@ def worker(args) -> None:
     if args.quantization:
         kw["quantization"] = args.quantization
     if args.bits:  # a kbit config on a plain model folder, the vLLM way: through hf_overrides
-        kw["hf_overrides"] = {"quantization_config": {"quant_method": "kbit", "bits": args.bits}}
+        kw["hf_overrides"] = {"quantization_config": {"quant_method": "kbit", "bits": args.bits,
+                                                      "lm_head": args.lm_head}}
     if args.load_format:
         kw["load_format"] = args.load_format
     if args.dtype:
@@ -181,6 +183,8 @@ CONFIGS = {
     # (H200, fc4c7cc: bf16's KV cache room and speed; results/README.md)
     "gptq4_dummy": dict(gptq=True, load_format="dummy"),
     **{f"kbit{b}": dict(load_format="dummy", quantization="kbit", bits=b) for b in (2, 3, 4, 5)},
+    # lm_head quantized too (convert --quantize-lm-head)
+    **{f"kbit{b}_lmhead": dict(load_format="dummy", quantization="kbit", bits=b, lm_head=True) for b in (2, 4)},
 }
 
 
@@ -200,6 +204,7 @@ def main() -> None:
     ap.add_argument("--load-format", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
     ap.add_argument("--bits", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--lm-head", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -221,6 +226,7 @@ def main() -> None:
             extra += ["--load-format", c["load_format"]]
         if c.get("quantization"):
             extra += ["--quantization", c["quantization"], "--bits", str(c["bits"])]
+            extra += ["--lm-head"] if c.get("lm_head") else []
         cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--iters", str(args.iters),
                "--num-prompts", str(args.num_prompts), "--max-num-seqs", str(args.max_num_seqs), *extra]
         print("$", " ".join(assignments + cmd), flush=True)

@@ -118,7 +118,7 @@ def test_convert_sharded_llama(llama, tmp_path, bits):
     assert config == json.loads((llama / "config.json").read_text())
     assert (qc["quant_method"], qc["bits"], qc["block_size"], qc["absmax_format"]) == ("kbit", bits, 32, "e4m4")
     assert torch.equal(torch.tensor(qc["codebook"], dtype=torch.float32), kf.normal_float_codebook(bits))
-    assert "lm_head" in qc["ignore"] and qc["ignore"] == report.ignore
+    assert "lm_head" in qc["ignore"] and qc["ignore"] == report.ignore and "lm_head" not in qc
     for f in TOKENIZER_FILES:
         assert (dst / f).read_bytes() == (llama / f).read_bytes(), f
     assert sorted(report.copied_files) == sorted(TOKENIZER_FILES)
@@ -198,6 +198,29 @@ def test_ignore_exact_and_regex(llama, tmp_path):
     assert sorted(report.quantized) == sorted(f"{m}.weight" for m in set(LINEARS) - ignored)
     ignore = quant_config(tmp_path / "out")["ignore"]
     assert {"lm_head", exact, regex} <= set(ignore)
+
+
+def test_quantize_lm_head_via_cli(llama, tmp_path):
+    dst = tmp_path / "out"
+    assert main([str(llama), str(dst), "--bits", "4", "--quantize-lm-head", "--device", "cpu"]) == 0
+    src_t, out_t = load_checkpoint(llama), load_checkpoint(dst)
+    for m in [*LINEARS, "lm_head"]:
+        assert assert_quantized(src_t, out_t, m, 4) > MIN_SQNR_DB[4], m
+    assert same_bytes(src_t["model.embed_tokens.weight"], out_t["model.embed_tokens.weight"])
+    qc = quant_config(dst)
+    assert qc["lm_head"] is True and "lm_head" not in qc["ignore"]
+
+
+def test_quantize_lm_head_refused_when_tied_or_ignored(llama, tmp_path):
+    tied = make_random_llama(tmp_path / "tied", hidden_size=64, intermediate_size=128, num_layers=1,
+                             num_heads=4, num_kv_heads=2, vocab_size=320, tie_word_embeddings=True)
+    with pytest.raises(ConversionError, match="ties lm_head to its input embeddings"):
+        convert(tied, tmp_path / "out", 4, quantize_lm_head=True, progress=False)
+    with pytest.raises(ConversionError, match=r"lm_head stays unquantized \(ignored"):
+        convert(llama, tmp_path / "out", 4, ignore=["lm_head"], quantize_lm_head=True, progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["tied"]
+    convert(tied, tmp_path / "out", 4, progress=False)  # tied, lm_head left alone: fine
+    assert "lm_head" not in quant_config(tmp_path / "out")
 
 
 def test_partial_ignore_of_a_fused_group_is_refused(llama, tmp_path):

@@ -55,10 +55,12 @@ def models(tmp_path_factory):
     src = make_random_llama(root / "src", hidden_size=512, intermediate_size=1024, num_layers=2,
                             num_heads=8, num_kv_heads=4, vocab_size=512, init_std=0.08)
     out = {}
-    for bits in (4, 5):
-        kbit = root / f"kbit{bits}"
-        convert(src, kbit, bits, progress=False)
-        out[bits] = (kbit, dequantized_copy(kbit, root / f"dequant{bits}"))
+    for key in (4, 5, "4+lm_head"):
+        bits, lm_head = (4, True) if key == "4+lm_head" else (key, False)
+        name = f"kbit{bits}{'-lm_head' if lm_head else ''}"
+        kbit = root / name
+        convert(src, kbit, bits, progress=False, quantize_lm_head=lm_head)
+        out[key] = (kbit, dequantized_copy(kbit, root / f"dequant-{name}"))
     return out
 
 
@@ -82,7 +84,7 @@ def compare(a: dict, b: dict) -> tuple[float, float]:
     return sum(agree) / len(agree), sum(diffs) / len(diffs)
 
 
-@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("bits", [4, 5, "4+lm_head"])
 def test_kbit_matches_bf16_of_dequantized_weights(models, bits):
     kbit, dequant = models[bits]
     ref = run(dequant, "eager", "--eager")

@@ -24,6 +24,8 @@ from vllm.distributed import (destroy_distributed_environment, destroy_model_par
 from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,  # noqa: E402
                                                RowParallelLinear, UnquantizedLinearMethod)
 from vllm.model_executor.layers.quantization import get_quantization_config  # noqa: E402
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
 
 from vllm_kbit.config import KbitConfig  # noqa: E402
 from vllm_kbit.linear import KbitLinearMethod  # noqa: E402
@@ -50,11 +52,11 @@ def vllm_env():
         destroy_distributed_environment()
 
 
-def make_config(bits, ignore=("lm_head",), codebook=None):
+def make_config(bits, ignore=("lm_head",), codebook=None, **extra):
     cfg = KbitConfig.from_config({
         "quant_method": "kbit", "bits": bits, "block_size": 32, "absmax_format": "e4m4",
         "codebook": (kf.normal_float_codebook(bits) if codebook is None else codebook).tolist(),
-        "ignore": list(ignore)})
+        "ignore": list(ignore), **extra})
     cfg.packed_modules_mapping = PACKED
     return cfg
 
@@ -63,10 +65,14 @@ def make_config(bits, ignore=("lm_head",), codebook=None):
 def tensor_parallel(rank, size):
     """Build layers as rank `rank` of `size` in this one process: vLLM reads the rank when a
     layer and its parameters are created, and the loaders narrow the checkpoint with it."""
-    with mock.patch("vllm.model_executor.layers.linear.get_tensor_model_parallel_rank", return_value=rank), \
-         mock.patch("vllm.model_executor.layers.linear.get_tensor_model_parallel_world_size", return_value=size), \
-         mock.patch("vllm.model_executor.parameter.get_tensor_model_parallel_rank", return_value=rank), \
-         mock.patch("vllm.model_executor.parameter.get_tensor_model_parallel_world_size", return_value=size):
+    with contextlib.ExitStack() as stack:
+        for module in ("linear", "vocab_parallel_embedding"):
+            for fn, value in (("rank", rank), ("world_size", size)):
+                stack.enter_context(mock.patch(f"vllm.model_executor.layers.{module}.get_tensor_model_parallel_{fn}",
+                                               return_value=value))
+        for fn, value in (("rank", rank), ("world_size", size)):
+            stack.enter_context(mock.patch(f"vllm.model_executor.parameter.get_tensor_model_parallel_{fn}",
+                                           return_value=value))
         yield
 
 
@@ -159,6 +165,54 @@ def test_tensor_parallel_2_matches_tp_1(kind):
     pieces = [o.split(sizes, dim=1) for o in outs]  # per rank: its slice of every fused shard
     y2 = torch.cat([pieces[r][s] for s in range(len(sizes)) for r in range(2)], dim=1)
     assert torch.equal(y1, y2)
+
+
+VOCAB = 500  # vLLM pads it to 512 rows (64-row padding); at TP = 2 rank 1 holds 244 + 12 padding
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", kf.SUPPORTED_BITS)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_quantized_lm_head(tp, bits, dtype):
+    """quantization_config.lm_head = true: vLLM's ParallelLMHead loads the kbit tensors through
+    its own vocab-sharding loader and LogitsProcessor's call (quant_method.apply) gives the
+    logits of the dequantized weight; the padding rows vLLM adds give exactly 0."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"lm_head-{tp}-{bits}".encode()))
+    q, a = checkpoint(VOCAB, HIDDEN, bits, gen)
+    x = torch.randn(7, HIDDEN, generator=gen).to(dtype)
+    w = kf.dequantize(q, a, bits, dtype=torch.float64)
+    logits = []
+    for rank in range(tp):
+        torch.set_default_device(DEVICE)
+        try:
+            with tensor_parallel(rank, tp):
+                head = ParallelLMHead(VOCAB, HIDDEN, params_dtype=dtype, quant_config=make_config(bits, ignore=(), lm_head=True),
+                                      prefix="lm_head")
+                assert isinstance(head.quant_method, KbitLinearMethod)
+                head.qweight.weight_loader(head.qweight, q)
+                head.absmax.weight_loader(head.absmax, a)
+                head.quant_method.process_weights_after_loading(head)
+        finally:
+            torch.set_default_device("cpu")
+        y = head.quant_method.apply(head, x.to(DEVICE)).cpu()
+        assert y.dtype == dtype and y.shape == (7, 512 // tp) and torch.isfinite(y).all()
+        logits.append(y)
+    y = torch.cat(logits, dim=1)
+    assert torch.equal(y[:, VOCAB:], torch.zeros_like(y[:, VOCAB:]))
+    assert rel_err(y[:, :VOCAB], x.double() @ w.t()) < TOL[dtype]
+
+
+def test_lm_head_stays_float_unless_asked():
+    head = ParallelLMHead(VOCAB, HIDDEN, quant_config=make_config(4, ignore=()), prefix="lm_head")
+    assert type(head.quant_method).__name__ == "UnquantizedEmbeddingMethod" and hasattr(head, "weight")
+    with pytest.raises(ValueError, match="lm_head is true but 'lm_head' is in ignore"):
+        make_config(4, ignore=("lm_head",), lm_head=True)
+    with pytest.raises(ValueError, match="lm_head must be true or false"):
+        make_config(4, ignore=(), lm_head="yes")
+    tied = mock.Mock(model_config=mock.Mock(hf_config=LlamaConfig(tie_word_embeddings=True)))
+    with mock.patch("vllm_kbit.config.get_current_vllm_config_or_none", return_value=tied), \
+         pytest.raises(ValueError, match="lm_head is tied to the input embeddings"):
+        ParallelLMHead(VOCAB, HIDDEN, quant_config=make_config(4, ignore=(), lm_head=True), prefix="lm_head")
 
 
 def test_ignored_layers_stay_unquantized():

@@ -8,10 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.config import get_current_vllm_config_or_none
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.quantization.compressed_tensors.utils import should_ignore_layer
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from vllm_kbit import format as kf
 
@@ -20,7 +22,8 @@ from vllm_kbit import format as kf
 class KbitConfig(QuantizationConfig):
     """bits, codebook and the layers left unquantized (compressed-tensors `ignore` semantics:
     exact module names or `re:` regexes; a fused vLLM layer such as qkv_proj is skipped when
-    all of its checkpoint shards are).
+    all of its checkpoint shards are). `lm_head` (vLLM's key, as for GPTQ and AWQ; default false):
+    the output projection is kbit too (`convert --quantize-lm-head`), served by the same op.
 
     Built by `from_config` for a kbit checkpoint. Built with no arguments (`--quantization kbit`
     on a model without a quantization_config) it quantizes the checkpoint's float weights at
@@ -29,7 +32,7 @@ class KbitConfig(QuantizationConfig):
 
     def __init__(self, bits: int = 4, block_size: int = kf.BLOCK_SIZE, codebook=None,
                  ignore: list[str] | None = None, absmax_format: str = "e4m4",
-                 from_checkpoint: bool = False):
+                 from_checkpoint: bool = False, lm_head: bool = False):
         super().__init__()
         kf.check_bits(bits)
         if block_size != kf.BLOCK_SIZE:
@@ -44,10 +47,15 @@ class KbitConfig(QuantizationConfig):
         except kf.KbitFormatError as e:
             raise ValueError(f"kbit quantization_config: {e}") from None
         self.ignore = list(ignore or [])
+        if not isinstance(lm_head, bool):
+            raise ValueError(f"kbit quantization_config: lm_head must be true or false, got {lm_head!r}")
+        if lm_head and "lm_head" in self.ignore:
+            raise ValueError("kbit quantization_config: lm_head is true but 'lm_head' is in ignore")
+        self.lm_head_quantized = lm_head
         self.from_checkpoint = from_checkpoint
 
     def __repr__(self) -> str:
-        return f"KbitConfig(bits={self.bits}, ignore={self.ignore})"
+        return f"KbitConfig(bits={self.bits}, lm_head={self.lm_head_quantized}, ignore={self.ignore})"
 
     def get_name(self) -> str:
         return "kbit"
@@ -71,16 +79,30 @@ class KbitConfig(QuantizationConfig):
                    codebook=cls.get_from_keys_or(config, ["codebook"], None),
                    ignore=cls.get_from_keys_or(config, ["ignore"], None),
                    absmax_format=cls.get_from_keys_or(config, ["absmax_format"], "e4m4"),
-                   from_checkpoint=True)
+                   from_checkpoint=True, lm_head=cls.get_from_keys_or(config, ["lm_head"], False))
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         if self.ignore:
             self.ignore = hf_to_vllm_mapper.apply_list(self.ignore)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-        if not isinstance(layer, LinearBase):
-            return None  # embeddings, lm_head, attention, MoE: unquantized
-        if should_ignore_layer(prefix, ignore=self.ignore, fused_mapping=self.packed_modules_mapping):
+        if isinstance(layer, ParallelLMHead):
+            if not self.lm_head_quantized or should_ignore_layer(prefix, ignore=self.ignore):
+                return None  # vLLM's unquantized lm_head
+            _check_untied(prefix)
+        elif not isinstance(layer, LinearBase):
+            return None  # embeddings, attention, MoE: unquantized
+        elif should_ignore_layer(prefix, ignore=self.ignore, fused_mapping=self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         from vllm_kbit.linear import KbitLinearMethod
         return KbitLinearMethod(self, prefix)
+
+
+def _check_untied(prefix: str) -> None:
+    """A tied lm_head shares the input embedding's float table, which vLLM's embedding lookup
+    reads directly: it cannot be kbit."""
+    vc = get_current_vllm_config_or_none()
+    hf = vc.model_config.hf_config if vc is not None and vc.model_config is not None else None
+    if hf is not None and getattr(hf.get_text_config(), "tie_word_embeddings", False):
+        raise ValueError(f"kbit: quantization_config.lm_head is true but {prefix} is tied to the "
+                         f"input embeddings (tie_word_embeddings); set lm_head to false")

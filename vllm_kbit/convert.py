@@ -1,7 +1,7 @@
 """Convert a Hugging Face safetensors checkpoint into a kbit checkpoint (library API and CLI).
 
     python -m vllm_kbit.convert SRC DST --bits K [--ignore PATTERN ...] [--overwrite]
-        [--device cpu|cuda] [--codebook JSON_FILE_OR_LIST] [--max-shard-size 2GB]
+        [--quantize-lm-head] [--device cpu|cuda] [--codebook JSON_FILE_OR_LIST] [--max-shard-size 2GB]
 
 What is quantized: the weight of every `Linear` of the architecture named by SRC/config.json,
 found by building that architecture on the meta device with transformers and matching it with
@@ -9,6 +9,8 @@ compressed-tensors (`"Linear"` target), except
   * modules matched by the ignore patterns: DEFAULT_IGNORE (lm_head, MoE experts and routers,
     which vLLM serves unquantized with this plugin) plus the caller's (compressed-tensors
     semantics: an exact module name, or "re:<regex>" matched from the start of the name);
+    with quantize_lm_head (`--quantize-lm-head`) lm_head is quantized too, and the config says
+    so (`"lm_head": true`, vLLM's key), unless the model ties it to its input embeddings;
   * linears whose in_features is not a multiple of 32: kept, and added by exact module name
     to the config's ignore list.
 Each quantized `P.weight` [N, K] becomes `P.qweight` int32 [N, K/32*bits] and `P.absmax` uint8
@@ -47,7 +49,8 @@ from vllm_kbit.format import KbitFormatError
 
 # lm_head; MoE experts, whether per-expert linears ("...experts.3.w1") or the fused layer
 # ("...mlp.experts"); MoE routers, which vLLM builds without a quant_config.
-DEFAULT_IGNORE = ("lm_head", r"re:.*\.experts(\..*)?$", r"re:.*\.(gate|router|shared_expert_gate)$")
+LM_HEAD = "lm_head"
+DEFAULT_IGNORE = (LM_HEAD, r"re:.*\.experts(\..*)?$", r"re:.*\.(gate|router|shared_expert_gate)$")
 
 INDEX_NAME = "model.safetensors.index.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
@@ -242,9 +245,11 @@ def _matching_pattern(name: str, module, patterns: list[str]) -> str | None:
     return None
 
 
-def _select(linears: dict, shapes: dict, user_ignore: list[str], report: ConversionReport) -> set[str]:
+def _select(linears: dict, shapes: dict, user_ignore: list[str], report: ConversionReport,
+            quantize_lm_head: bool = False) -> set[str]:
     """Weight names to quantize; fills report.skipped and report.ignore (the config's list)."""
-    patterns = list(dict.fromkeys([*DEFAULT_IGNORE, *user_ignore]))
+    default = [p for p in DEFAULT_IGNORE if not (quantize_lm_head and p == LM_HEAD)]
+    patterns = list(dict.fromkeys([*default, *user_ignore]))
     used, auto_ignore, selected = set(), [], set()
     for mod_name, module in linears.items():
         wname = f"{mod_name}.weight"
@@ -267,6 +272,27 @@ def _select(linears: dict, shapes: dict, user_ignore: list[str], report: Convers
     _check_fused_groups(linears, selected)
     report.ignore = list(dict.fromkeys([*patterns, *auto_ignore]))
     return selected
+
+
+def _ties_embeddings(src: Path, config: dict) -> bool:
+    """tie_word_embeddings as transformers resolves it (a class default when config.json is silent)."""
+    try:
+        import transformers
+        return bool(transformers.AutoConfig.from_pretrained(src).get_text_config().tie_word_embeddings)
+    except Exception:  # an architecture transformers does not know: config.json alone
+        return bool(config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False)))
+
+
+def _check_lm_head(src: Path, config: dict, linears: dict, shapes: dict, selected: set[str], report: ConversionReport) -> None:
+    """quantize_lm_head needs an untied `lm_head` Linear that is being quantized."""
+    if _ties_embeddings(src, config):
+        raise ConversionError("--quantize-lm-head: this model ties lm_head to its input embeddings "
+                              "(tie_word_embeddings), which vLLM reads as a float table")
+    wname = f"{LM_HEAD}.weight"
+    if LM_HEAD not in linears or wname not in shapes:
+        raise ConversionError(f"--quantize-lm-head: the checkpoint has no {wname}")
+    if wname not in selected:
+        raise ConversionError(f"--quantize-lm-head: {LM_HEAD} stays unquantized ({report.skipped.get(wname)})")
 
 
 # Checkpoint linears that vLLM fuses into one layer (its models' packed_modules_mapping:
@@ -381,9 +407,11 @@ def _write_shards(items: list[_Item], out: Path, bits: int, codebook: torch.Tens
 
 def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = False,
             device: str | torch.device | None = None, max_shard_size: int | str = "2GB",
-            progress: bool = True) -> ConversionReport:
+            progress: bool = True, quantize_lm_head: bool = False) -> ConversionReport:
     """Write a kbit checkpoint of the HF safetensors model folder `src` to `dst` (see the module
     docstring). `ignore`: extra compressed-tensors patterns of modules to keep unquantized;
+    `quantize_lm_head`: quantize the output projection too (smaller and faster per decode step,
+    with the lm_head's rounding error on every logit);
     `codebook`: 2^bits ascending floats in [-1, 1] (default format.normal_float_codebook);
     `device`: where to quantize (default cuda when available). Raises ConversionError or
     KbitFormatError (naming the tensor) on bad input, leaving nothing behind."""
@@ -421,7 +449,9 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
                 raise ConversionError(f"tensor {name} appears in more than one safetensors file")
             shapes[name] = info["shape"]
     linears, report.used_heuristic = _find_linears(src, shapes)
-    to_quantize = _select(linears, shapes, user_ignore, report)
+    to_quantize = _select(linears, shapes, user_ignore, report, quantize_lm_head)
+    if quantize_lm_head:
+        _check_lm_head(src, config, linears, shapes, to_quantize, report)
     report.unmapped_2d = [n for n, s in shapes.items() if len(s) == 2 and n.endswith(".weight")
                           and n[:-len(".weight")] not in linears and "embed" not in n]
     # copied unquantized: if vLLM builds a linear layer for one, it must not expect kbit tensors
@@ -441,6 +471,8 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     config["quantization_config"] = {
         "quant_method": "kbit", "bits": bits, "block_size": kf.BLOCK_SIZE, "absmax_format": "e4m4",
         "codebook": [float(v) for v in cb], "ignore": report.ignore}
+    if quantize_lm_head:
+        config["quantization_config"]["lm_head"] = True
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.kbit-tmp-", dir=dst.parent))
@@ -485,8 +517,10 @@ def main(argv=None) -> int:
     parser.add_argument("--bits", type=int, required=True, help="bits per weight: 2, 3, 4 or 5")
     parser.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
                         help="module to keep unquantized: exact name or 're:REGEX' (repeatable); "
-                             f"always ignored: {', '.join(DEFAULT_IGNORE)}")
+                             f"ignored by default: {', '.join(DEFAULT_IGNORE)} (for lm_head see --quantize-lm-head)")
     parser.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="quantize lm_head too (not for models that tie it to the embeddings)")
     parser.add_argument("--device", default=None, help="quantize on cpu or cuda (default: cuda if available)")
     parser.add_argument("--codebook", default=None, metavar="JSON_FILE_OR_LIST",
                         help="custom codebook: 2^bits ascending floats in [-1, 1]")
@@ -495,7 +529,8 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         codebook = _load_codebook(args.codebook) if args.codebook is not None else None
         report = convert(args.src, args.dst, args.bits, ignore=args.ignore, codebook=codebook,
-                         overwrite=args.overwrite, device=args.device, max_shard_size=args.max_shard_size)
+                         overwrite=args.overwrite, device=args.device, max_shard_size=args.max_shard_size,
+                         quantize_lm_head=args.quantize_lm_head)
     except (KbitFormatError, ConversionError, OSError) as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 1
