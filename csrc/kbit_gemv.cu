@@ -8,10 +8,10 @@
 namespace kbit {
 namespace gemv {
 
-extern template cudaError_t launch_bits<2>(DType, const Params&, int, int, cudaStream_t);
-extern template cudaError_t launch_bits<3>(DType, const Params&, int, int, cudaStream_t);
-extern template cudaError_t launch_bits<4>(DType, const Params&, int, int, cudaStream_t);
-extern template cudaError_t launch_bits<5>(DType, const Params&, int, int, cudaStream_t);
+extern template cudaError_t launch_bits<2>(DType, const Params&, int, int, int, cudaStream_t);
+extern template cudaError_t launch_bits<3>(DType, const Params&, int, int, int, cudaStream_t);
+extern template cudaError_t launch_bits<4>(DType, const Params&, int, int, int, cudaStream_t);
+extern template cudaError_t launch_bits<5>(DType, const Params&, int, int, int, cudaStream_t);
 
 namespace {
 
@@ -40,8 +40,43 @@ namespace {
 // split (up to 4 SMs / NU), more waves of 8-warp CTAs than its own plan would take. Slower,
 // not wrong; the fix is to decide x's route before the plan and pass it in.
 struct Plan {
-  int splits, warps;
+  int splits, warps, slabs = 0;  // slabs > 0: x resident, that many slabs per 16-warp CTA
 };
+
+// Estimated time of a plan at 8 < M <= 16, in units of one warp's unit time: the busiest
+// warp's units, each costing 1 + 0.5 / G (x's share of the L2 -> SM bytes: the ring, G = 1,
+// took the 8B step to 1.45x its M = 1 time), plus a fixed 2 (table, pipeline fill, reduction)
+// and 1.5 for a cluster reduction, times the waves of `per_sm` CTAs per SM.
+double plan_cost(int nu, int ku, int num_sms, int s, int g, int warps, int per_sm) {
+  const int chunk = div_up(ku, s);
+  const long long waves = div_up((long long)div_up(nu, g) * s, (long long)num_sms * per_sm);
+  return waves * (div_up(chunk, warps / g) * (1.0 + 0.5 / g) + 2.0 + (s > 1 ? 1.5 : 0.0));
+}
+
+// x resident (kbit_gemv.cuh, kXrSlabs): slabs per CTA G and split S for 16-warp CTAs, one per
+// SM, by plan_cost; ties go to the larger G (less x), then the smaller S. S <= 2: x resident
+// with S = 4 (clusters of four 16-warp CTAs of up to 227 KB, one per SM) took twice the time of
+// the ring on 4096x4096 and 4096x14336 (15.3 / 31.6 against 9.1 / 17.8 us in the 8B decode
+// step at M = 12, H200): a second wave, it seems, as for the wgmma kernel's spread clusters
+// of 7-8 (kbit_wgmma.cuh). `forced_s` > 0 fixes S. G = 0 where no K range fits.
+struct XrPlan {
+  int splits, slabs;
+  double cost;
+};
+XrPlan choose_xr(int nu, int ku, int num_sms, int forced_s) {
+  XrPlan best = {1, 0, 0.0};
+  for (const int g : kXrSlabs) {
+    const int s_lo = forced_s > 0 ? forced_s : 1, s_hi = forced_s > 0 ? forced_s : 2;
+    for (int s = s_lo; s <= s_hi && s <= ku; ++s) {
+      const int chunk = div_up(ku, s), se = div_up(ku, chunk);
+      if (chunk > kXrMaxUnits) continue;
+      const double cost = plan_cost(nu, ku, num_sms, se, g, kWideWarps, 1);
+      if (best.slabs == 0 || cost < best.cost - 1e-9 || (cost < best.cost + 1e-9 && g > best.slabs))
+        best = {se, g, cost};
+    }
+  }
+  return best;
+}
 Plan choose_plan(int m, int nu, int ku, int num_sms) {
   const int s_max = ku < kMaxSplits ? ku : kMaxSplits;
   // the largest S with NU * S <= slots (and, given warps per CTA, >= 8 units per warp)
@@ -53,8 +88,18 @@ Plan choose_plan(int m, int nu, int ku, int num_sms) {
     return s;
   };
   if (m > kGemvOneTileM) {
-    if (nu > num_sms && nu <= 4LL * num_sms) return {largest(4LL * num_sms, kNarrowWarps), kNarrowWarps};
-    return {largest(num_sms, 0), kWideWarps};
+    const Plan ring = nu > num_sms && nu <= 4LL * num_sms ? Plan{largest(4LL * num_sms, kNarrowWarps), kNarrowWarps}
+                                                           : Plan{largest(num_sms, 0), kWideWarps};
+    // x resident where the model says it beats the ring: 28672x4096 (G = 4) and the larger
+    // layers (G = 16), not the 8B model's three others (sm_90: clusters and 227 KB CTAs)
+    static const bool xr_off = env_off("KBIT_GEMV_XRES");
+    if (!xr_off && device_is_sm90_or_newer() && xr_fits()) {
+      const XrPlan xr = choose_xr(nu, ku, num_sms, 0);
+      const int s = div_up(ku, div_up(ku, ring.splits));
+      if (xr.slabs > 0 && xr.cost < plan_cost(nu, ku, num_sms, s, 1, ring.warps, ring.warps == kNarrowWarps ? 4 : 1))
+        return {xr.splits, kWideWarps, xr.slabs};
+    }
+    return ring;
   }
   if (nu <= num_sms) return {largest(num_sms, 0), kWideWarps};
   if (nu <= 4LL * num_sms) return {largest(4LL * num_sms, kNarrowWarps), kNarrowWarps};
@@ -92,16 +137,23 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   if (!clusters) s = 1;
   p.chunk = div_up(p.ku_count, s);
   static const int force_warps = env_int("KBIT_GEMV_WARPS", 0);
-  int warps = plan.warps;
-  if (force_warps == gemv::kNarrowWarps || force_warps == gemv::kWarps || force_warps == gemv::kWideWarps)
+  int warps = plan.warps, slabs = plan.slabs;
+  if (slabs > 0 && splits > 0)  // a forced split: the best G for it, if its K range fits
+    slabs = gemv::choose_xr(n_units(n), p.ku_count, num_sms > 0 ? num_sms : 1, s).slabs;
+  static const int force_slabs = env_int("KBIT_GEMV_XR_SLABS", 0);  // tests and tuning
+  if (slabs > 0 && (force_slabs == 2 || force_slabs == 4 || force_slabs == 16)) slabs = force_slabs;
+  if (slabs > 0) {
+    warps = gemv::kWideWarps;
+  } else if (force_warps == gemv::kNarrowWarps || force_warps == gemv::kWarps || force_warps == gemv::kWideWarps) {
     warps = force_warps;
-  else if (splits > 0 && warps == gemv::kWideWarps && (long long)n_units(n) * s > num_sms)
+  } else if (splits > 0 && warps == gemv::kWideWarps && (long long)n_units(n) * s > num_sms) {
     warps = gemv::kWarps;  // a forced split that no longer fits one CTA per SM
+  }
   switch (bits) {
-    case 2: return gemv::launch_bits<2>(dtype, p, s, warps, stream);
-    case 3: return gemv::launch_bits<3>(dtype, p, s, warps, stream);
-    case 4: return gemv::launch_bits<4>(dtype, p, s, warps, stream);
-    case 5: return gemv::launch_bits<5>(dtype, p, s, warps, stream);
+    case 2: return gemv::launch_bits<2>(dtype, p, s, warps, slabs, stream);
+    case 3: return gemv::launch_bits<3>(dtype, p, s, warps, slabs, stream);
+    case 4: return gemv::launch_bits<4>(dtype, p, s, warps, slabs, stream);
+    case 5: return gemv::launch_bits<5>(dtype, p, s, warps, slabs, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -43,7 +43,11 @@
 // got it there: K=4's layout stores the nibble words (no transpose here), 16-warp CTAs where
 // the grid has at most one CTA per SM, one-wave split-K, 4-warp CTAs where the slabs fit four
 // per SM (28672x4096: 24.7 -> 23.3 us in the graph). At 8 < M <= 16 every layer stays here
-// (kbit_ops.h), x staged in shared memory (kXRowBytes) by 16-warp or four 4-warp CTAs per SM.
+// (kbit_ops.h), x staged in shared memory (kXRowBytes) by 16-warp or four 4-warp CTAs per SM,
+// and since the fourteenth session resident for the CTA's whole K range in CTAs of 4 or 16
+// slabs where the plan's model says so (kXrSlabs; 28672x4096 and larger): 28672x4096 at M = 16
+// 37.8 -> 32.0 us, the 8B step at M = 12 / 16 K=4 2323 / 2435 -> 2191 / 2255 us (K=2 -5%, K=3
+// -7%, K=5 -2%), 128256x4096 (an lm_head) 152 -> 112 us, 57344x8192 124 -> 112 us.
 // Next: the ~5 us fixed cost per call on the small layers (a per-CTA trace, docs/MMA.md: launch
 // gap < 1 us, table ~0.5, reduction 1-3); K=3/5 still transpose planes; M = 9..16 at one unit in
 // flight per warp (two stages fit 128 registers). 28672x4096's CTAs end up to 5.5 / 10.4 us apart
@@ -116,6 +120,17 @@ template <int BITS> struct Traits : PairTable<BITS> {
 // whose CTAs cannot have the ring (sm_86 / sm_89: 99 KB).
 constexpr int kXRowBytes = 144;
 constexpr int kXSmemStages = 2;
+
+// x resident (8 < M <= 16, sm_90): the ring above makes x's L2 -> SM bytes equal the weights'
+// DRAM bytes (a CTA owns one 64-column slab, so each unit's 16 x 64 x tile serves 64 columns),
+// and both streams share the L2 -> SM bandwidth: the 8B step at M = 16 took 1.45x its time at
+// M = 1, where Marlin and Machete (x tiles shared by a CTA's 128-256 columns) take 1.0-1.1x.
+// So a 16-warp CTA instead owns G slabs (kXrSlabs: 2, 4 or 16; 16 / G warps per slab) and
+// loads the x rows of its whole K range into shared memory once, before its main loop, in the
+// ring's row layout: x bytes per weight / G, no per-unit copies or waits, and no x traffic in
+// the loop. Up to kXrMaxUnits units of K per CTA (the split takes the rest).
+constexpr int kXrSlabs[] = {2, 4, 16};
+constexpr int kXrMaxUnits = 72;  // (227 KB - the 64 KB reduction scratch) / 2304 B per unit
 
 // One unit as a lane holds it in registers: its 16 bytes of each bit-plane, the 16 absmax
 // codes of its column group, and the x pairs its B fragments need.
@@ -270,35 +285,58 @@ template <int BITS, bool kXs> constexpr int stages() { return kXs ? kXSmemStages
 // cross-warp reduction scratch, then the partial sums the cluster reads, which during the
 // main loop hold the warps' x rings (kXs). With wide rows the table starts at the first 64
 // KB-aligned shared address (kPad bytes reserved for the gap).
-template <int BITS, int MT, int W, bool kWide, bool kXs> struct Smem {
+// G > 0 (x resident, kXs): the x rows of the CTA's K range, then (after the loop) the G slabs'
+// partial sums, in place of the ring; kBytes is the bound for kXrMaxUnits units, bytes(chunk)
+// what a launch needs.
+template <int BITS, int MT, int W, bool kWide, bool kXs, int G = 0> struct Smem {
   static constexpr int kAcc = kPairsPerLane * MT * 4;                  // floats per lane
   static constexpr int kLutBytes = kWide ? Traits<BITS>::kWideLutBytes : Traits<BITS>::kLutBytes;
   static constexpr int kRedBytes = W * kAcc * 32 * 4;
   static constexpr int kPart = kLutBytes > kRedBytes ? kLutBytes : kRedBytes;  // from the table's start
-  static constexpr int kPartBytes = kAcc * 32 * 4;
+  static constexpr int kPartBytes = (G > 0 ? G : 1) * kAcc * 32 * 4;
   static constexpr int kXSlot = 8 * MT * kXRowBytes;                   // one unit's x rows
-  static constexpr int kXRing = kXs ? W * stages<BITS, kXs>() * kXSlot : 0;
+  static constexpr int kXRing = !kXs ? 0 : G > 0 ? kXrMaxUnits * kXSlot : W * stages<BITS, kXs>() * kXSlot;
   static constexpr int kPad = kWide ? 65536 - 16 : 0;
   static constexpr int kBytes = kPad + kPart + (kXRing > kPartBytes ? kXRing : kPartBytes);
+  static constexpr int bytes(int chunk) {
+    return G > 0 ? kPad + kPart + (chunk * kXSlot > kPartBytes ? chunk * kXSlot : kPartBytes) : kBytes;
+  }
   static_assert(kWide || kXs || kBytes <= 48 * 1024, "fits without the dynamic shared memory opt-in");
   static_assert(kPart % 16 == 0 && kXSlot % 16 == 0, "cp.async and ldmatrix need 16-byte aligned rows");
+  static_assert(G == 0 || (kXs && !kWide && W % (G > 0 ? G : 1) == 0), "x resident: the packed table, whole warps per slab");
+  static_assert(kBytes <= 227 * 1024, "one CTA per SM on sm_90");
 };
 
-template <int BITS, int MT, typename T, int W, bool kWide, bool kXs>
+template <int BITS, int MT, typename T, int W, bool kWide, bool kXs, int G = 0>
 __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(const Params p) {
-  constexpr int kWarps = W, kThreads = W * 32;
+  // G > 0: x resident, G slabs per CTA, kWarps warps per slab (the slab's units interleave
+  // over them); else one slab per CTA, all W warps on it.
+  constexpr int kSlabs = G > 0 ? G : 1, kWarps = W / kSlabs, kThreads = W * 32;
   extern __shared__ __align__(16) uint32_t smem_raw[];
-  using S = Smem<BITS, MT, W, kWide, kXs>;
+  using S = Smem<BITS, MT, W, kWide, kXs, G>;
   const uint32_t smem_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
   const uint32_t lut_base = kWide ? (smem_addr + 0xFFFFu) & ~0xFFFFu : smem_addr;
   uint32_t* smem = smem_raw + (lut_base - smem_addr) / 4;  // the table, then the reduction
   constexpr int kAcc = S::kAcc;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nu = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+  const int lane = threadIdx.x & 31, warp_cta = threadIdx.x >> 5;
+  const int warp = warp_cta % kWarps, slab = warp_cta / kWarps;  // this warp's place on its slab
+  const int nu = blockIdx.x * kSlabs + slab, split = blockIdx.y, splits = gridDim.y;
   const int ku_begin = split * p.chunk;
   const int ku_end = min(p.ku_count, ku_begin + p.chunk);
 
   wait_prior_grids();  // programmatic dependent launch (kbit_common.cuh)
+  const uint32_t xbase = lut_base + S::kPart;  // the ring, or the resident x rows
+  if constexpr (G > 0) {
+    // the K range's x rows, one cp.async group before the table: 16-byte chunk c of unit u is
+    // row (c % 128) / 8, k 8 (c % 8) (load_stage's order); zeros past M and K
+    const T* x = static_cast<const T*>(p.x);
+    for (int c = threadIdx.x; c < (ku_end - ku_begin) * 64 * MT; c += kThreads) {
+      const int u = c / (64 * MT), r = c % (64 * MT), row = r >> 3, k = (ku_begin + u) * kUnitK + 8 * (r & 7);
+      const bool ok = row < p.m && k < p.k;
+      cp_async16(xbase + u * S::kXSlot + row * kXRowBytes + 16 * (r & 7), ok ? x + (long long)row * p.k + k : x, ok);
+    }
+    cp_async_commit();
+  }
   // ---- codebook table: in the lanes (K=2: pair table, K=5: values) or in shared memory
   const uint32_t table = init_codebook<BITS, T, kWide>(p.codebook, 1.0f, smem, threadIdx.x, kThreads);
   if constexpr (Traits<BITS>::kLutEntries > 0) __syncthreads();
@@ -319,11 +357,31 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   // ring slot s of this warp; one cp.async group per stage (empty past the end, so that
   // wait_group<kStages - 1> always means "stage it has landed").
   constexpr int kStages = stages<BITS, kXs>();
-  const uint32_t xring = lut_base + S::kPart + uint32_t(warp * kStages * S::kXSlot);
+  const uint32_t xring = xbase + uint32_t(G > 0 ? 0 : warp * kStages * S::kXSlot);
   const uint32_t xlane = xring + (lane & 7) * kXRowBytes + 16 * (lane >> 3);
-  const int count = ku_end - ku_begin;
+  const int count = nu < n_units(p.n) ? ku_end - ku_begin : 0;  // (a last CTA's missing slabs: none)
   const int n_iter = count > warp ? (count - warp + kWarps - 1) / kWarps : 0;
   Stage<BITS, MT> st[kStages];
+  if constexpr (G > 0) {
+    // weights only: unit it of this warp is at x row block (warp + it * kWarps)
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s)
+      if (s < n_iter) st[s].load(p.packed, p.absmax, (long long)nu * p.ku_count + ku_begin + warp + s * kWarps, lane);
+    cp_async_wait<0>();
+    __syncthreads();  // every thread's x copies have landed
+    for (int it0 = 0; it0 < n_iter; it0 += kStages) {
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) {
+        const int it = it0 + s;
+        if (it < n_iter) {
+          const int nxt = it + kStages - 1, sn = (s + kStages - 1) % kStages;
+          if (nxt < n_iter)
+            st[sn].load(p.packed, p.absmax, (long long)nu * p.ku_count + ku_begin + warp + nxt * kWarps, lane);
+          compute_stage<BITS, MT, T, kWide, kXs>(st[s], acc, lut_addr, table, xlane + (warp + it * kWarps) * S::kXSlot);
+        }
+      }
+    }
+  } else {
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < n_iter) load_stage<BITS, MT, T, kXs>(st[s], p, nu, ku_begin + warp + s * kWarps, lane, xring + s * S::kXSlot);
@@ -348,6 +406,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
     }
   }
   if constexpr (kXs) cp_async_wait<0>();  // (only empty groups can be left) before `part` reuses the ring
+  }
 
   // ---- reduce: warps of the CTA through shared memory, then the CTAs of the cluster through
   // distributed shared memory; every sum runs in a fixed order (deterministic).
@@ -359,12 +418,13 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) red[(warp * kAcc + (i * MT + mt) * 4 + j) * 32 + lane] = acc[i][mt][j];
+      for (int j = 0; j < 4; ++j) red[(warp_cta * kAcc + (i * MT + mt) * 4 + j) * 32 + lane] = acc[i][mt][j];
   __syncthreads();
-  for (int e = threadIdx.x; e < kAcc * 32; e += kThreads) {
+  // part[slab][e]: the sum over that slab's warps (warp_cta = slab * kWarps + warp)
+  for (int e = threadIdx.x; e < kSlabs * kAcc * 32; e += kThreads) {
     float s = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += red[w * kAcc * 32 + e];
+    for (int w = 0; w < kWarps; ++w) s += red[w * kAcc * 32 + e + (e / (kAcc * 32)) * (kWarps - 1) * kAcc * 32];
     part[e] = s;
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -378,16 +438,16 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   if (splits > 1) __trap();
   __syncthreads();
 #endif
-  // CTA `split` of the cluster finishes elements [e0, e1) of the slab's kAcc * 32
-  const int per = (kAcc * 32 + splits - 1) / splits;
-  const int e0 = split * per, e1 = min(kAcc * 32, e0 + per);
+  // CTA `split` of the cluster finishes elements [e0, e1) of the slabs' kSlabs * kAcc * 32
+  const int per = (kSlabs * kAcc * 32 + splits - 1) / splits;
+  const int e0 = split * per, e1 = min(kSlabs * kAcc * 32, e0 + per);
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
   for (int e = e0 + threadIdx.x; e < e1; e += kThreads) {
-    const int i = e >> 5, l = e & 31;          // i = (pair * MT + mt) * 4 + j
+    const int i = (e >> 5) % kAcc, l = e & 31;  // i = (pair * MT + mt) * 4 + j
     const int j = i & 3, mt = (i >> 2) % MT, pr = (i >> 2) / MT;
     const int row = 8 * mt + 2 * (l & 3) + (j & 1);
-    const int col = nu * kUnitN + 8 * (2 * pr + (j >> 1)) + (l >> 2);
+    const int col = (blockIdx.x * kSlabs + e / (kAcc * 32)) * kUnitN + 8 * (2 * pr + (j >> 1)) + (l >> 2);
     if (row < p.m && col < p.n) {
       float s = 0.f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -410,18 +470,19 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
 }
 
 // Launch one instantiation; `splits` >= 1 already chosen (and 1 below sm_90).
-template <int BITS, int MT, typename T, int W, bool kWide = false, bool kXs = false>
+template <int BITS, int MT, typename T, int W, bool kWide = false, bool kXs = false, int G = 0>
 cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
-  using S = Smem<BITS, MT, W, kWide, kXs>;
-  constexpr auto kernel = gemv_kernel<BITS, MT, T, W, kWide, kXs>;
+  using S = Smem<BITS, MT, W, kWide, kXs, G>;
+  constexpr auto kernel = gemv_kernel<BITS, MT, T, W, kWide, kXs, G>;
   if constexpr (S::kBytes > 48 * 1024) {
     const cudaError_t e = opt_in_smem<kernel>(S::kBytes);
     if (e != cudaSuccess) return e;
   }
+  if (G > 0 && p.chunk > kXrMaxUnits) return cudaErrorInvalidValue;  // the plan never asks
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(n_units(p.n), splits, 1);
+  cfg.gridDim = dim3(div_up(n_units(p.n), G > 0 ? G : 1), splits, 1);
   cfg.blockDim = dim3(W * 32, 1, 1);
-  cfg.dynamicSmemBytes = S::kBytes;
+  cfg.dynamicSmemBytes = S::bytes(p.chunk);
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
   cfg.attrs = attr;
@@ -454,7 +515,13 @@ cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
 }
 
 template <int BITS, typename T>
-cudaError_t launch_dt(const Params& p, int splits, int warps, cudaStream_t stream) {
+cudaError_t launch_dt(const Params& p, int splits, int warps, int slabs, cudaStream_t stream) {
+  if (p.m > kGemvOneTileM && slabs > 0) {  // x resident (the plan checked the device for it)
+    if (slabs == 2) return launch_t<BITS, 2, T, kWideWarps, false, true, 2>(p, splits, stream);
+    if (slabs == 4) return launch_t<BITS, 2, T, kWideWarps, false, true, 4>(p, splits, stream);
+    if (slabs == 16) return launch_t<BITS, 2, T, kWideWarps, false, true, 16>(p, splits, stream);
+    return cudaErrorInvalidValue;
+  }
   if (p.m > kGemvOneTileM) {
     // 16 (or 4, four per SM) warps with x through shared memory where the device lets a CTA
     // have the ring, else the 8-warp register kernel
@@ -473,12 +540,17 @@ cudaError_t launch_dt(const Params& p, int splits, int warps, cudaStream_t strea
 // Entry point of one bit width (instantiated in generated/gemv_k<BITS>.cu); `warps` per CTA:
 // kNarrowWarps, kWarps or kWideWarps at M <= 8; at M > 8 kNarrowWarps or kWideWarps with x
 // through shared memory, or kWarps with x in registers where the device cannot give a CTA the
-// ring.
+// ring. `slabs` > 0 (M > 8, one of kXrSlabs): 16-warp CTAs of that many slabs, x resident.
 template <int BITS>
-cudaError_t launch_bits(DType dtype, const Params& p, int splits, int warps, cudaStream_t stream) {
-  if (dtype == DType::kHalf) return launch_dt<BITS, __half>(p, splits, warps, stream);
-  if (dtype == DType::kBFloat16) return launch_dt<BITS, __nv_bfloat16>(p, splits, warps, stream);
+cudaError_t launch_bits(DType dtype, const Params& p, int splits, int warps, int slabs, cudaStream_t stream) {
+  if (dtype == DType::kHalf) return launch_dt<BITS, __half>(p, splits, warps, slabs, stream);
+  if (dtype == DType::kBFloat16) return launch_dt<BITS, __nv_bfloat16>(p, splits, warps, slabs, stream);
   return cudaErrorInvalidValue;
+}
+
+// Whether the device gives a 16-warp CTA the x-resident layout's shared memory.
+inline bool xr_fits() {
+  return Smem<4, 2, kWideWarps, false, true, 16>::kBytes <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
 }
 
 }  // namespace gemv

@@ -202,8 +202,8 @@ def weight(n, k, bits, g):  # a random tiled weight (_random_weight without the 
 _GEMV_OUTPUTS = _SCRIPT_PRELUDE + r"""
 out = []
 # 16 slabs (16-warp CTAs), 200 slabs (four 4-warp CTAs per SM on 132 SMs); half a unit at the
-# end of K
-for n, k in ((1000, 2080), (12800, 2080)):
+# end of K; 9 slabs, the last one partial, over 224 units of K (split so x's K range fits)
+for n, k in ((1000, 2080), (12800, 2080), (520, 14336)):
     for bits in (2, 3, 4, 5):
         g = torch.Generator(device="cuda").manual_seed(bits)
         packed, ap, cb, w64 = weight(n, k, bits, g)
@@ -215,24 +215,31 @@ torch.save(out, sys.argv[1])
 """
 
 
+GEMV_VARIANTS = (("default", {}), ("packed", {"KBIT_GEMV_WIDE_LUT": "0"}),
+                 ("x_regs", {"KBIT_GEMV_XRES": "0", "KBIT_GEMV_XSMEM": "0"}), ("x_ring", {"KBIT_GEMV_XRES": "0"}),
+                 *((f"x_resident_{g}", {"KBIT_GEMV_XR_SLABS": str(g)}) for g in (2, 4, 16)))
+
+
 def test_gemv_variants(tmp_path):
     """The GEMV's per-device choices: the wide-row pair table (K=3,4, CTAs alone on their SM;
-    at M > 8 K=3 only) against the packed one that sm_86 / sm_89 take (KBIT_GEMV_WIDE_LUT=0)
-    must give the same bits (same values, same order); the 8-warp kernel with x in registers
-    that those devices run at 8 < M <= 16 (KBIT_GEMV_XSMEM=0; another summation order than the
-    16-warp kernel) must meet the float64 reference like the default. The switches are read once per process:
-    one subprocess each, two shapes, K = 2..5, M = 1, 13 (rows past M zero-filled), 16."""
+    M <= 8) against the packed one that sm_86 / sm_89 take (KBIT_GEMV_WIDE_LUT=0) must give the
+    same bits (same values, same order). At 8 < M <= 16, the 8-warp kernel with x in registers
+    that those devices run (KBIT_GEMV_XSMEM=0), the per-warp x ring that sm_90 ran before x
+    resident (KBIT_GEMV_XRES=0), and x resident with 2, 4 and 16 slabs per CTA
+    (KBIT_GEMV_XR_SLABS; other summation orders) must each meet the float64 reference like the
+    default. The switches are read once per process: one subprocess each, two shapes, K = 2..5,
+    M = 1, 13 (rows past M zero-filled), 16."""
     outs = {}
-    for name, env in (("default", {}), ("packed", {"KBIT_GEMV_WIDE_LUT": "0"}), ("x_regs", {"KBIT_GEMV_XSMEM": "0"})):
+    for name, env in GEMV_VARIANTS:
         f = tmp_path / f"{name}.pt"
         subprocess.run([sys.executable, "-c", _GEMV_OUTPUTS, str(f)], check=True, timeout=300,
                        env=dict(os.environ, **env))
         outs[name] = torch.load(f)
-        assert len(outs[name]) == 24
-    for i in range(24):
+        assert len(outs[name]) == 36
+    for i in range(36):
         y, ref = outs["default"][i]
         assert torch.equal(outs["packed"][i][0], y), i
-        for name in ("default", "x_regs"):
+        for name, _ in GEMV_VARIANTS:
             y = outs[name][i][0]
             assert torch.isfinite(y).all(), (name, i)
             assert _rel_err(y, ref) < TOL[torch.bfloat16], (name, i, _rel_err(y, ref))

@@ -3,6 +3,6 @@
 
 namespace kbit {
 namespace gemv {
-template cudaError_t launch_bits<2>(DType, const Params&, int, int, cudaStream_t);
+template cudaError_t launch_bits<2>(DType, const Params&, int, int, int, cudaStream_t);
 }  // namespace gemv
 }  // namespace kbit
