@@ -43,14 +43,14 @@ struct Plan {
   int splits, warps, slabs = 0;  // slabs > 0: x resident, that many slabs per 16-warp CTA
 };
 
-// Estimated time of a plan at 8 < M <= 16, in units of one warp's unit time: the busiest
-// warp's units, each costing 1 + 0.5 / G (x's share of the L2 -> SM bytes: the ring, G = 1,
-// took the 8B step to 1.45x its M = 1 time), plus a fixed 2 (table, pipeline fill, reduction)
-// and 1.5 for a cluster reduction, times the waves of `per_sm` CTAs per SM.
-double plan_cost(int nu, int ku, int num_sms, int s, int g, int warps, int per_sm) {
+// Estimated time of a plan, in units of one warp's unit time: the busiest warp's units, each
+// costing 1 + (M / 32) / G (x's share of the L2 -> SM bytes, which grows with M: at M = 16 the
+// x ring, G = 1, took the 8B step to 1.45x its M = 1 time), plus a fixed 2 (table, pipeline
+// fill, reduction) and 1.5 for a cluster reduction, times the waves of `per_sm` CTAs per SM.
+double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int warps, int per_sm) {
   const int chunk = div_up(ku, s);
   const long long waves = div_up((long long)div_up(nu, g) * s, (long long)num_sms * per_sm);
-  return waves * (div_up(chunk, warps / g) * (1.0 + 0.5 / g) + 2.0 + (s > 1 ? 1.5 : 0.0));
+  return waves * (div_up(chunk, warps / g) * (1.0 + m / 32.0 / g) + 2.0 + (s > 1 ? 1.5 : 0.0));
 }
 
 // x resident (kbit_gemv.cuh, kXrSlabs): slabs per CTA G and split S for 16-warp CTAs, one per
@@ -58,26 +58,30 @@ double plan_cost(int nu, int ku, int num_sms, int s, int g, int warps, int per_s
 // with S = 4 (clusters of four 16-warp CTAs of up to 227 KB, one per SM) took twice the time of
 // the ring on 4096x4096 and 4096x14336 (15.3 / 31.6 against 9.1 / 17.8 us in the 8B decode
 // step at M = 12, H200): a second wave, it seems, as for the wgmma kernel's spread clusters
-// of 7-8 (kbit_wgmma.cuh). `forced_s` > 0 fixes S. G = 0 where no K range fits.
+// of 7-8 (kbit_wgmma.cuh). `forced_s` > 0 fixes S, `forced_g` > 0 G. G = 0 where no K range fits.
 struct XrPlan {
   int splits, slabs;
   double cost;
 };
-XrPlan choose_xr(int nu, int ku, int num_sms, int forced_s) {
+XrPlan choose_xr(int m, int nu, int ku, int num_sms, int forced_s, int forced_g = 0) {
   XrPlan best = {1, 0, 0.0};
+  const int max_units = xr_max_units(m > kGemvOneTileM ? 2 : 1);
   for (const int g : kXrSlabs) {
+    if (forced_g > 0 && g != forced_g) continue;
     const int s_lo = forced_s > 0 ? forced_s : 1, s_hi = forced_s > 0 ? forced_s : 2;
     for (int s = s_lo; s <= s_hi && s <= ku; ++s) {
       const int chunk = div_up(ku, s), se = div_up(ku, chunk);
-      if (chunk > kXrMaxUnits) continue;
-      const double cost = plan_cost(nu, ku, num_sms, se, g, kWideWarps, 1);
+      if (chunk > max_units) continue;
+      const double cost = plan_cost(m, nu, ku, num_sms, se, g, kWideWarps, 1);
       if (best.slabs == 0 || cost < best.cost - 1e-9 || (cost < best.cost + 1e-9 && g > best.slabs))
         best = {se, g, cost};
     }
   }
   return best;
 }
-Plan choose_plan(int m, int nu, int ku, int num_sms) {
+
+// The plan without x resident (x in registers at M <= 8, the per-warp ring above).
+Plan choose_plan_classic(int m, int nu, int ku, int num_sms) {
   const int s_max = ku < kMaxSplits ? ku : kMaxSplits;
   // the largest S with NU * S <= slots (and, given warps per CTA, >= 8 units per warp)
   const auto largest = [&](long long slots, int warps_per_cta) {
@@ -88,18 +92,8 @@ Plan choose_plan(int m, int nu, int ku, int num_sms) {
     return s;
   };
   if (m > kGemvOneTileM) {
-    const Plan ring = nu > num_sms && nu <= 4LL * num_sms ? Plan{largest(4LL * num_sms, kNarrowWarps), kNarrowWarps}
-                                                           : Plan{largest(num_sms, 0), kWideWarps};
-    // x resident where the model says it beats the ring: 28672x4096 (G = 4) and the larger
-    // layers (G = 16), not the 8B model's three others (sm_90: clusters and 227 KB CTAs)
-    static const bool xr_off = env_off("KBIT_GEMV_XRES");
-    if (!xr_off && device_is_sm90_or_newer() && xr_fits()) {
-      const XrPlan xr = choose_xr(nu, ku, num_sms, 0);
-      const int s = div_up(ku, div_up(ku, ring.splits));
-      if (xr.slabs > 0 && xr.cost < plan_cost(nu, ku, num_sms, s, 1, ring.warps, ring.warps == kNarrowWarps ? 4 : 1))
-        return {xr.splits, kWideWarps, xr.slabs};
-    }
-    return ring;
+    if (nu > num_sms && nu <= 4LL * num_sms) return {largest(4LL * num_sms, kNarrowWarps), kNarrowWarps};
+    return {largest(num_sms, 0), kWideWarps};
   }
   if (nu <= num_sms) return {largest(num_sms, 0), kWideWarps};
   if (nu <= 4LL * num_sms) return {largest(4LL * num_sms, kNarrowWarps), kNarrowWarps};
@@ -111,6 +105,27 @@ Plan choose_plan(int m, int nu, int ku, int num_sms) {
   const int s2 = smallest(2LL * num_sms);
   if (div_up(div_up(ku, s2), kWarps) >= 8) return {s2, kWarps};
   return {smallest(num_sms), kWarps};
+}
+
+// x resident where the model says it beats the classic plan: at 8 < M <= 16 28672x4096 (G = 4)
+// and the larger layers (G = 16), not the 8B model's three others (sm_90: clusters and 227 KB
+// CTAs); at M <= 8, where x is half the bytes or less, only by a 10% margin, which the model's
+// missing term (the copy before the loop) needed (H200, 8B decode step, same call, K=4, x
+// resident / classic, us: 28672x4096 at M = 1, model 0.98: 29.6 / 27.6 in bench_gemm.py and the
+// step 1710 / 1637; M = 4, 0.93: step 1809 / 1783; M = 8, 0.86: 1964 / 2053; 128256x4096 at
+// M = 1, 0.80: 88.0 / 99.7; 57344x8192 at M = 1, 0.91: 82.1 / 82.5, M = 4, 0.85: 82.7 / 85.3).
+// KBIT_GEMV_XRES=0 (read once): never.
+Plan choose_plan(int m, int nu, int ku, int num_sms) {
+  const Plan classic = choose_plan_classic(m, nu, ku, num_sms);
+  static const bool xr_off = env_off("KBIT_GEMV_XRES");
+  if (xr_off || !device_is_sm90_or_newer() || !xr_fits()) return classic;
+  const XrPlan xr = choose_xr(m, nu, ku, num_sms, 0);
+  const int s = div_up(ku, div_up(ku, classic.splits));
+  const int per_sm = classic.warps == kNarrowWarps ? 4 : classic.warps == kWarps ? 2 : 1;
+  const double margin = m > kGemvOneTileM ? 1.0 : 0.9;
+  if (xr.slabs > 0 && xr.cost < margin * plan_cost(m, nu, ku, num_sms, s, 1, classic.warps, per_sm))
+    return {xr.splits, kWideWarps, xr.slabs};
+  return classic;
 }
 
 }  // namespace
@@ -139,9 +154,18 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   static const int force_warps = env_int("KBIT_GEMV_WARPS", 0);
   int warps = plan.warps, slabs = plan.slabs;
   if (slabs > 0 && splits > 0)  // a forced split: the best G for it, if its K range fits
-    slabs = gemv::choose_xr(n_units(n), p.ku_count, num_sms > 0 ? num_sms : 1, s).slabs;
-  static const int force_slabs = env_int("KBIT_GEMV_XR_SLABS", 0);  // tests and tuning
-  if (slabs > 0 && (force_slabs == 2 || force_slabs == 4 || force_slabs == 16)) slabs = force_slabs;
+    slabs = gemv::choose_xr(m, n_units(n), p.ku_count, num_sms > 0 ? num_sms : 1, s).slabs;
+  // KBIT_GEMV_XR_SLABS = 2 | 4 | 16 (tests and tuning; read once): x resident with that G
+  // wherever the device and the K range allow, whatever the model says
+  static const int force_slabs = env_int("KBIT_GEMV_XR_SLABS", 0);
+  if ((force_slabs == 2 || force_slabs == 4 || force_slabs == 16) && clusters && gemv::xr_fits()) {
+    const gemv::XrPlan xr = gemv::choose_xr(m, n_units(n), p.ku_count, num_sms > 0 ? num_sms : 1,
+                                            splits > 0 ? s : 0, force_slabs);
+    if (xr.slabs > 0) {
+      slabs = xr.slabs;
+      if (splits <= 0) s = xr.splits, p.chunk = div_up(p.ku_count, s);
+    }
+  }
   if (slabs > 0) {
     warps = gemv::kWideWarps;
   } else if (force_warps == gemv::kNarrowWarps || force_warps == gemv::kWarps || force_warps == gemv::kWideWarps) {

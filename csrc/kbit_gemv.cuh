@@ -47,7 +47,9 @@
 // and since the fourteenth session resident for the CTA's whole K range in CTAs of 4 or 16
 // slabs where the plan's model says so (kXrSlabs; 28672x4096 and larger): 28672x4096 at M = 16
 // 37.8 -> 32.0 us, the 8B step at M = 12 / 16 K=4 2323 / 2435 -> 2191 / 2255 us (K=2 -5%, K=3
-// -7%, K=5 -2%), 128256x4096 (an lm_head) 152 -> 112 us, 57344x8192 124 -> 112 us.
+// -7%, K=5 -2%), 128256x4096 (an lm_head) 152 -> 112 us, 57344x8192 124 -> 112 us; at M <= 8
+// for the layers where the model clears a 10% margin (kbit_gemv.cu: 28672x4096 from M = 6, the
+// larger ones from M = 1 or 2): M = 8 step 2053 -> 1964 us, 128256x4096 at M = 1 99.7 -> 88.0 us.
 // Next: the ~5 us fixed cost per call on the small layers (a per-CTA trace, docs/MMA.md: launch
 // gap < 1 us, table ~0.5, reduction 1-3); K=3/5 still transpose planes; M = 9..16 at one unit in
 // flight per warp (two stages fit 128 registers). 28672x4096's CTAs end up to 5.5 / 10.4 us apart
@@ -128,9 +130,11 @@ constexpr int kXSmemStages = 2;
 // So a 16-warp CTA instead owns G slabs (kXrSlabs: 2, 4 or 16; 16 / G warps per slab) and
 // loads the x rows of its whole K range into shared memory once, before its main loop, in the
 // ring's row layout: x bytes per weight / G, no per-unit copies or waits, and no x traffic in
-// the loop. Up to kXrMaxUnits units of K per CTA (the split takes the rest).
+// the loop. Up to xr_max_units(MT) units of K per CTA (the split takes the rest). At M <= 8
+// (one n8 tile, 1152 B of x a unit) the same, with the register kernels' stage count.
 constexpr int kXrSlabs[] = {2, 4, 16};
-constexpr int kXrMaxUnits = 72;  // (227 KB - the 64 KB reduction scratch) / 2304 B per unit
+// (227 KB - the reduction scratch: 64 / 32 KB) / (2304 / 1152 B of x a unit), rounded down
+__host__ __device__ constexpr int xr_max_units(int mt) { return mt == 2 ? 72 : 144; }
 
 // One unit as a lane holds it in registers: its 16 bytes of each bit-plane, the 16 absmax
 // codes of its column group, and the x pairs its B fragments need.
@@ -279,14 +283,17 @@ template <typename S> bool device_fits() {
 }
 
 // Register (kXs: ring) stages of a warp's unit stream.
-template <int BITS, bool kXs> constexpr int stages() { return kXs ? kXSmemStages : Traits<BITS>::kStages; }
+// x resident at M <= 8 keeps the register kernels' depth (its stages hold no x, as the ring's).
+template <int BITS, bool kXs, int MT = 2, int G = 0> constexpr int stages() {
+  return kXs && !(G > 0 && MT == 1) ? kXSmemStages : Traits<BITS>::kStages;
+}
 
 // Shared memory of one CTA: the pair table (K=3,4), reused after the main loop for the
 // cross-warp reduction scratch, then the partial sums the cluster reads, which during the
 // main loop hold the warps' x rings (kXs). With wide rows the table starts at the first 64
 // KB-aligned shared address (kPad bytes reserved for the gap).
 // G > 0 (x resident, kXs): the x rows of the CTA's K range, then (after the loop) the G slabs'
-// partial sums, in place of the ring; kBytes is the bound for kXrMaxUnits units, bytes(chunk)
+// partial sums, in place of the ring; kBytes is the bound for xr_max_units(MT), bytes(chunk)
 // what a launch needs.
 template <int BITS, int MT, int W, bool kWide, bool kXs, int G = 0> struct Smem {
   static constexpr int kAcc = kPairsPerLane * MT * 4;                  // floats per lane
@@ -295,7 +302,7 @@ template <int BITS, int MT, int W, bool kWide, bool kXs, int G = 0> struct Smem 
   static constexpr int kPart = kLutBytes > kRedBytes ? kLutBytes : kRedBytes;  // from the table's start
   static constexpr int kPartBytes = (G > 0 ? G : 1) * kAcc * 32 * 4;
   static constexpr int kXSlot = 8 * MT * kXRowBytes;                   // one unit's x rows
-  static constexpr int kXRing = !kXs ? 0 : G > 0 ? kXrMaxUnits * kXSlot : W * stages<BITS, kXs>() * kXSlot;
+  static constexpr int kXRing = !kXs ? 0 : G > 0 ? xr_max_units(MT) * kXSlot : W * stages<BITS, kXs>() * kXSlot;
   static constexpr int kPad = kWide ? 65536 - 16 : 0;
   static constexpr int kBytes = kPad + kPart + (kXRing > kPartBytes ? kXRing : kPartBytes);
   static constexpr int bytes(int chunk) {
@@ -356,7 +363,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   // register stages, kStages - 1 units in flight while one is decoded. kXs: stage s's x in
   // ring slot s of this warp; one cp.async group per stage (empty past the end, so that
   // wait_group<kStages - 1> always means "stage it has landed").
-  constexpr int kStages = stages<BITS, kXs>();
+  constexpr int kStages = stages<BITS, kXs, MT, G>();
   const uint32_t xring = xbase + uint32_t(G > 0 ? 0 : warp * kStages * S::kXSlot);
   const uint32_t xlane = xring + (lane & 7) * kXRowBytes + 16 * (lane >> 3);
   const int count = nu < n_units(p.n) ? ku_end - ku_begin : 0;  // (a last CTA's missing slabs: none)
@@ -478,7 +485,7 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
     const cudaError_t e = opt_in_smem<kernel>(S::kBytes);
     if (e != cudaSuccess) return e;
   }
-  if (G > 0 && p.chunk > kXrMaxUnits) return cudaErrorInvalidValue;  // the plan never asks
+  if (G > 0 && p.chunk > xr_max_units(MT)) return cudaErrorInvalidValue;  // the plan never asks
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(div_up(n_units(p.n), G > 0 ? G : 1), splits, 1);
   cfg.blockDim = dim3(W * 32, 1, 1);
@@ -516,10 +523,16 @@ cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
 
 template <int BITS, typename T>
 cudaError_t launch_dt(const Params& p, int splits, int warps, int slabs, cudaStream_t stream) {
-  if (p.m > kGemvOneTileM && slabs > 0) {  // x resident (the plan checked the device for it)
-    if (slabs == 2) return launch_t<BITS, 2, T, kWideWarps, false, true, 2>(p, splits, stream);
-    if (slabs == 4) return launch_t<BITS, 2, T, kWideWarps, false, true, 4>(p, splits, stream);
-    if (slabs == 16) return launch_t<BITS, 2, T, kWideWarps, false, true, 16>(p, splits, stream);
+  if (slabs > 0) {  // x resident (the plan checked the device for it)
+    if (p.m > kGemvOneTileM) {
+      if (slabs == 2) return launch_t<BITS, 2, T, kWideWarps, false, true, 2>(p, splits, stream);
+      if (slabs == 4) return launch_t<BITS, 2, T, kWideWarps, false, true, 4>(p, splits, stream);
+      if (slabs == 16) return launch_t<BITS, 2, T, kWideWarps, false, true, 16>(p, splits, stream);
+    } else {
+      if (slabs == 2) return launch_t<BITS, 1, T, kWideWarps, false, true, 2>(p, splits, stream);
+      if (slabs == 4) return launch_t<BITS, 1, T, kWideWarps, false, true, 4>(p, splits, stream);
+      if (slabs == 16) return launch_t<BITS, 1, T, kWideWarps, false, true, 16>(p, splits, stream);
+    }
     return cudaErrorInvalidValue;
   }
   if (p.m > kGemvOneTileM) {
@@ -540,7 +553,7 @@ cudaError_t launch_dt(const Params& p, int splits, int warps, int slabs, cudaStr
 // Entry point of one bit width (instantiated in generated/gemv_k<BITS>.cu); `warps` per CTA:
 // kNarrowWarps, kWarps or kWideWarps at M <= 8; at M > 8 kNarrowWarps or kWideWarps with x
 // through shared memory, or kWarps with x in registers where the device cannot give a CTA the
-// ring. `slabs` > 0 (M > 8, one of kXrSlabs): 16-warp CTAs of that many slabs, x resident.
+// ring. `slabs` > 0 (one of kXrSlabs): 16-warp CTAs of that many slabs, x resident.
 template <int BITS>
 cudaError_t launch_bits(DType dtype, const Params& p, int splits, int warps, int slabs, cudaStream_t stream) {
   if (dtype == DType::kHalf) return launch_dt<BITS, __half>(p, splits, warps, slabs, stream);
@@ -550,7 +563,8 @@ cudaError_t launch_bits(DType dtype, const Params& p, int splits, int warps, int
 
 // Whether the device gives a 16-warp CTA the x-resident layout's shared memory.
 inline bool xr_fits() {
-  return Smem<4, 2, kWideWarps, false, true, 16>::kBytes <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
+  const int optin = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
+  return Smem<4, 2, kWideWarps, false, true, 16>::kBytes <= optin && Smem<4, 1, kWideWarps, false, true, 16>::kBytes <= optin;
 }
 
 }  // namespace gemv

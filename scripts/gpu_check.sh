@@ -57,11 +57,15 @@ if [ $TESTS -eq 1 ]; then
 fi
 
 if [ $SANITIZE -eq 1 ]; then
-    for script in sanitize_small sanitize_mma sanitize_wgmma; do
+    # script[+VAR=value]: sanitize_small again with the GEMV's x resident in every launch
+    for spec in sanitize_small sanitize_small+KBIT_GEMV_XR_SLABS=4 sanitize_mma sanitize_wgmma; do
+        script=${spec%%+*}
+        envs=()
+        [ "$spec" != "$script" ] && envs=("${spec#*+}")
         for tool in memcheck racecheck; do
-            step "compute-sanitizer $tool $script (kbit kernels only)"
-            timeout 600 compute-sanitizer --tool "$tool" --kernel-name kns=kbit --error-exitcode 3 \
-                python3 "tests/$script.py" 2>&1 | tail -8 | tee "$OUT/${script}_$tool.log"
+            step "compute-sanitizer $tool $spec (kbit kernels only)"
+            env ${envs[@]+"${envs[@]}"} timeout 600 compute-sanitizer --tool "$tool" --kernel-name kns=kbit --error-exitcode 3 \
+                python3 "tests/$script.py" 2>&1 | tail -8 | tee "$OUT/${spec//[+=]/_}_$tool.log"
             [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
         done
     done
