@@ -2,6 +2,7 @@
 
     python examples/convert_hf_model.py SRC DST --bits 4 [--ignore model.layers.0.mlp.down_proj]
     python examples/convert_hf_model.py --demo DST --bits 3     # SRC: a tiny random Llama
+    python examples/convert_hf_model.py SRC DST --bits 4 --quantize-lm-head   # lm_head kbit too
 
 The CLI equivalent is `python -m vllm_kbit.convert SRC DST --bits 4`. Serve the result with
 `vllm serve DST` (the plugin reads quantization_config from DST/config.json).
@@ -19,6 +20,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 5))
     parser.add_argument("--ignore", action="append", default=[], help="module name or 're:REGEX' to keep unquantized")
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--quantize-lm-head", action="store_true", help="lm_head kbit too (not for tied embeddings)")
     parser.add_argument("--demo", action="store_true", help="convert a freshly made tiny random Llama")
     args = parser.parse_args()
 
@@ -30,7 +32,8 @@ def main() -> None:
             src = make_random_llama(Path(tmp) / "random-llama", hidden_size=256, intermediate_size=512)
         else:
             src, dst = args.paths
-        report = convert(src, dst, args.bits, ignore=args.ignore, overwrite=args.overwrite)
+        report = convert(src, dst, args.bits, ignore=args.ignore, overwrite=args.overwrite,
+                         quantize_lm_head=args.quantize_lm_head)
 
     print(report.summary())
     print(f"ignore list in {dst}/config.json: {report.ignore}")
