@@ -153,7 +153,10 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   p.chunk = div_up(p.ku_count, s);
   static const int force_warps = env_int("KBIT_GEMV_WARPS", 0);
   int warps = plan.warps, slabs = plan.slabs;
-  if (slabs > 0 && splits > 0)  // a forced split: the best G for it, if its K range fits
+  // A forced split (tests, benchmarks): the best G for it, if its K range fits; if none does,
+  // the classic kernels run with the resident plan's 16 warps, not the classic plan's choice
+  // (slower for some shapes, not wrong; never in production, which forces no split).
+  if (slabs > 0 && splits > 0)
     slabs = gemv::choose_xr(m, n_units(n), p.ku_count, num_sms > 0 ? num_sms : 1, s).slabs;
   // KBIT_GEMV_XR_SLABS = 2 | 4 | 16 (tests and tuning; read once): x resident with that G
   // wherever the device and the K range allow, whatever the model says

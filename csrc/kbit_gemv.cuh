@@ -44,7 +44,7 @@
 // the grid has at most one CTA per SM, one-wave split-K, 4-warp CTAs where the slabs fit four
 // per SM (28672x4096: 24.7 -> 23.3 us in the graph). At 8 < M <= 16 every layer stays here
 // (kbit_ops.h), x staged in shared memory (kXRowBytes) by 16-warp or four 4-warp CTAs per SM,
-// and since the fourteenth session resident for the CTA's whole K range in CTAs of 4 or 16
+// and since the fourteenth session resident for the CTA's whole K range in CTAs of 2, 4 or 16
 // slabs where the plan's model says so (kXrSlabs; 28672x4096 and larger): 28672x4096 at M = 16
 // 37.8 -> 32.0 us, the 8B step at M = 12 / 16 K=4 2323 / 2435 -> 2191 / 2255 us (K=2 -5%, K=3
 // -7%, K=5 -2%), 128256x4096 (an lm_head) 152 -> 112 us, 57344x8192 124 -> 112 us; at M <= 8
@@ -118,8 +118,9 @@ template <int BITS> struct Traits : PairTable<BITS> {
 // four 4-warp CTAs, kbit_gemv.cu): 8B decode step at M = 16 0.87-0.94x the time at K = 2..5
 // (L1 52%, DRAM 42%). Rows are padded to kXRowBytes so the eight rows of an ldmatrix phase hit
 // eight different 16-byte bank groups.
-// KBIT_GEMV_XSMEM=0 (read once) takes the 8-warp register kernel instead, as do devices
-// whose CTAs cannot have the ring (sm_86 / sm_89: 99 KB).
+// KBIT_GEMV_XSMEM=0 (read once) takes the 8-warp register kernel instead wherever the plan
+// does not make x resident (below; KBIT_GEMV_XRES=0 for every layer), as do devices whose
+// CTAs cannot have the ring (sm_86 / sm_89: 99 KB).
 constexpr int kXRowBytes = 144;
 constexpr int kXSmemStages = 2;
 
@@ -133,7 +134,8 @@ constexpr int kXSmemStages = 2;
 // the loop. Up to xr_max_units(MT) units of K per CTA (the split takes the rest). At M <= 8
 // (one n8 tile, 1152 B of x a unit) the same, with the register kernels' stage count.
 constexpr int kXrSlabs[] = {2, 4, 16};
-// (227 KB - the reduction scratch: 64 / 32 KB) / (2304 / 1152 B of x a unit), rounded down
+// M > 8: (227 KB - the 64 KB reduction scratch) / 2304 B of x a unit, rounded down; M <= 8:
+// the same 162 KB of x rows (144 x 1152 B), enough for K = 9216 at S = 1
 __host__ __device__ constexpr int xr_max_units(int mt) { return mt == 2 ? 72 : 144; }
 
 // One unit as a lane holds it in registers: its 16 bytes of each bit-plane, the 16 absmax
@@ -335,7 +337,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   const uint32_t xbase = lut_base + S::kPart;  // the ring, or the resident x rows
   if constexpr (G > 0) {
     // the K range's x rows, one cp.async group before the table: 16-byte chunk c of unit u is
-    // row (c % 128) / 8, k 8 (c % 8) (load_stage's order); zeros past M and K
+    // row (c % (64 MT)) / 8, k 8 (c % 8) (load_stage's order); zeros past M and K
     const T* x = static_cast<const T*>(p.x);
     for (int c = threadIdx.x; c < (ku_end - ku_begin) * 64 * MT; c += kThreads) {
       const int u = c / (64 * MT), r = c % (64 * MT), row = r >> 3, k = (ku_begin + u) * kUnitK + 8 * (r & 7);

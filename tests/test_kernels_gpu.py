@@ -202,7 +202,8 @@ def weight(n, k, bits, g):  # a random tiled weight (_random_weight without the 
 _GEMV_OUTPUTS = _SCRIPT_PRELUDE + r"""
 out = []
 # 16 slabs (16-warp CTAs), 200 slabs (four 4-warp CTAs per SM on 132 SMs); half a unit at the
-# end of K; 9 slabs, the last one partial, over 224 units of K (split so x's K range fits)
+# end of K; 9 slabs, the last one partial, over 224 units of K (x resident at M = 1 with S = 2,
+# 112 of at most 144 units; at M = 13, 16 no K range of S <= 2 fits, so the plan is the classic one)
 for n, k in ((1000, 2080), (12800, 2080), (520, 14336)):
     for bits in (2, 3, 4, 5):
         g = torch.Generator(device="cuda").manual_seed(bits)
@@ -227,7 +228,7 @@ def test_gemv_variants(tmp_path):
     that those devices run (KBIT_GEMV_XSMEM=0), the per-warp x ring that sm_90 ran before x
     resident (KBIT_GEMV_XRES=0), and x resident with 2, 4 and 16 slabs per CTA
     (KBIT_GEMV_XR_SLABS; other summation orders) must each meet the float64 reference like the
-    default. The switches are read once per process: one subprocess each, two shapes, K = 2..5,
+    default. The switches are read once per process: one subprocess each, three shapes, K = 2..5,
     M = 1, 13 (rows past M zero-filled), 16."""
     outs = {}
     for name, env in GEMV_VARIANTS:

@@ -213,6 +213,16 @@ def test_lm_head_stays_float_unless_asked():
     with mock.patch("vllm_kbit.config.get_current_vllm_config_or_none", return_value=tied), \
          pytest.raises(ValueError, match="lm_head is tied to the input embeddings"):
         ParallelLMHead(VOCAB, HIDDEN, quant_config=make_config(4, ignore=(), lm_head=True), prefix="lm_head")
+    # models that tie whatever their config says (vLLM calls tie_weights on the quant method)
+    head = ParallelLMHead(VOCAB, HIDDEN, quant_config=make_config(4, ignore=(), lm_head=True), prefix="lm_head")
+    with pytest.raises(ValueError, match="lm_head is kbit .* ties it to the input embeddings"):
+        head.tie_weights(torch.nn.Embedding(VOCAB, HIDDEN))
+    # other heads vLLM builds as ParallelLMHead (multi-token prediction) stay float
+    mtp = ParallelLMHead(VOCAB, HIDDEN, quant_config=make_config(4, ignore=(), lm_head=True),
+                         prefix="model.layers.2.shared_head.head")
+    assert type(mtp.quant_method).__name__ == "UnquantizedEmbeddingMethod"
+    with pytest.raises(ValueError, match="lm_head is true but ignore matches lm_head"):
+        ParallelLMHead(VOCAB, HIDDEN, quant_config=make_config(4, ignore=("re:.*head$",), lm_head=True), prefix="lm_head")
 
 
 def test_ignored_layers_stay_unquantized():

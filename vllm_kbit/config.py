@@ -87,8 +87,12 @@ class KbitConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, ParallelLMHead):
-            if not self.lm_head_quantized or should_ignore_layer(prefix, ignore=self.ignore):
+            # `lm_head` names the model's output projection (the one `convert` quantizes), not
+            # other heads vLLM builds the same way (e.g. multi-token-prediction heads)
+            if not self.lm_head_quantized or prefix.rpartition(".")[2] != "lm_head":
                 return None  # vLLM's unquantized lm_head
+            if should_ignore_layer(prefix, ignore=self.ignore):
+                raise ValueError(f"kbit quantization_config: lm_head is true but ignore matches {prefix}")
             _check_untied(prefix)
         elif not isinstance(layer, LinearBase):
             return None  # embeddings, attention, MoE: unquantized

@@ -279,18 +279,24 @@ def _ties_embeddings(src: Path, config: dict) -> bool:
     try:
         import transformers
         return bool(transformers.AutoConfig.from_pretrained(src).get_text_config().tie_word_embeddings)
-    except Exception:  # an architecture transformers does not know: config.json alone
-        return bool(config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False)))
+    except Exception:  # an architecture transformers does not know: config.json alone, whose
+        # silence means tied (PretrainedConfig's default), so lm_head stays float
+        text = config.get("text_config") or {}
+        return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
 
 
 def _check_lm_head(src: Path, config: dict, linears: dict, shapes: dict, selected: set[str], report: ConversionReport) -> None:
     """quantize_lm_head needs an untied `lm_head` Linear that is being quantized."""
     if _ties_embeddings(src, config):
         raise ConversionError("--quantize-lm-head: this model ties lm_head to its input embeddings "
-                              "(tie_word_embeddings), which vLLM reads as a float table")
+                              "(tie_word_embeddings, true unless the config says false), which vLLM "
+                              "reads as a float table")
     wname = f"{LM_HEAD}.weight"
-    if LM_HEAD not in linears or wname not in shapes:
+    if wname not in shapes:
         raise ConversionError(f"--quantize-lm-head: the checkpoint has no {wname}")
+    if LM_HEAD not in linears:
+        raise ConversionError(f"--quantize-lm-head: {wname} is not the weight of a Linear the "
+                              f"converter recognised in this architecture")
     if wname not in selected:
         raise ConversionError(f"--quantize-lm-head: {LM_HEAD} stays unquantized ({report.skipped.get(wname)})")
 

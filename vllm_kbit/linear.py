@@ -122,6 +122,12 @@ class KbitLinearMethod(LinearMethodBase):
                     f"kbit: {self.prefix}.{name} is missing from the checkpoint "
                     f"(loaded shards: {got} of {layer.kbit_expected_shards})")
 
+    def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module):
+        """vLLM ties an lm_head to the input embeddings through its quant method; a kbit lm_head
+        cannot share their float table (some models tie whatever their config says)."""
+        raise ValueError(f"kbit: {self.prefix} is kbit (quantization_config.lm_head) but the model ties it "
+                         f"to the input embeddings; set lm_head to false")
+
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return ops.gemm(x, layer.qweight, layer.absmax, layer.kbit_codebook, self.config.bits,
                         layer.kbit_n, layer.kbit_k, bias)
