@@ -145,7 +145,8 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   p.ku_count = k_units(k);
   p.pdl = use_pdl();
   const bool clusters = device_is_sm90_or_newer();
-  const gemv::Plan plan = gemv::choose_plan(m, n_units(n), p.ku_count, num_sms > 0 ? num_sms : 1);
+  const int sms = num_sms > 0 ? num_sms : 1;
+  const gemv::Plan plan = gemv::choose_plan(m, n_units(n), p.ku_count, sms);
   int s = splits > 0 ? splits : plan.splits;
   if (s > gemv::kMaxSplits) s = gemv::kMaxSplits;
   if (s > p.ku_count) s = p.ku_count;
@@ -157,13 +158,12 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   // the classic kernels run with the resident plan's 16 warps, not the classic plan's choice
   // (slower for some shapes, not wrong; never in production, which forces no split).
   if (slabs > 0 && splits > 0)
-    slabs = gemv::choose_xr(m, n_units(n), p.ku_count, num_sms > 0 ? num_sms : 1, s).slabs;
+    slabs = gemv::choose_xr(m, n_units(n), p.ku_count, sms, s).slabs;
   // KBIT_GEMV_XR_SLABS = 2 | 4 | 16 (tests and tuning; read once): x resident with that G
   // wherever the device and the K range allow, whatever the model says
   static const int force_slabs = env_int("KBIT_GEMV_XR_SLABS", 0);
   if ((force_slabs == 2 || force_slabs == 4 || force_slabs == 16) && clusters && gemv::xr_fits()) {
-    const gemv::XrPlan xr = gemv::choose_xr(m, n_units(n), p.ku_count, num_sms > 0 ? num_sms : 1,
-                                            splits > 0 ? s : 0, force_slabs);
+    const gemv::XrPlan xr = gemv::choose_xr(m, n_units(n), p.ku_count, sms, splits > 0 ? s : 0, force_slabs);
     if (xr.slabs > 0) {
       slabs = xr.slabs;
       if (splits <= 0) s = xr.splits, p.chunk = div_up(p.ku_count, s);

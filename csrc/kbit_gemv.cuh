@@ -306,10 +306,10 @@ template <int BITS, int MT, int W, bool kWide, bool kXs, int G = 0> struct Smem 
   static constexpr int kXSlot = 8 * MT * kXRowBytes;                   // one unit's x rows
   static constexpr int kXRing = !kXs ? 0 : G > 0 ? xr_max_units(MT) * kXSlot : W * stages<BITS, kXs>() * kXSlot;
   static constexpr int kPad = kWide ? 65536 - 16 : 0;
-  static constexpr int kBytes = kPad + kPart + (kXRing > kPartBytes ? kXRing : kPartBytes);
-  static constexpr int bytes(int chunk) {
-    return G > 0 ? kPad + kPart + (chunk * kXSlot > kPartBytes ? chunk * kXSlot : kPartBytes) : kBytes;
-  }
+  // the region after the table / scratch holds `x_bytes` of x, then the partial sums
+  static constexpr int with_x(int x_bytes) { return kPad + kPart + (x_bytes > kPartBytes ? x_bytes : kPartBytes); }
+  static constexpr int kBytes = with_x(kXRing);
+  static constexpr int bytes(int chunk) { return G > 0 ? with_x(chunk * kXSlot) : kBytes; }
   static_assert(kWide || kXs || kBytes <= 48 * 1024, "fits without the dynamic shared memory opt-in");
   static_assert(kPart % 16 == 0 && kXSlot % 16 == 0, "cp.async and ldmatrix need 16-byte aligned rows");
   static_assert(G == 0 || (kXs && !kWide && W % (G > 0 ? G : 1) == 0), "x resident: the packed table, whole warps per slab");
@@ -525,20 +525,21 @@ cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
   return launch_t<BITS, MT, T, W, false, kXs>(p, splits, stream);
 }
 
+// x resident: 16-warp CTAs of `slabs` (one of kXrSlabs) slabs, the packed table.
+template <int BITS, int MT, typename T>
+cudaError_t launch_xr(const Params& p, int splits, int slabs, cudaStream_t stream) {
+  switch (slabs) {
+    case 2: return launch_t<BITS, MT, T, kWideWarps, false, true, 2>(p, splits, stream);
+    case 4: return launch_t<BITS, MT, T, kWideWarps, false, true, 4>(p, splits, stream);
+    case 16: return launch_t<BITS, MT, T, kWideWarps, false, true, 16>(p, splits, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
 template <int BITS, typename T>
 cudaError_t launch_dt(const Params& p, int splits, int warps, int slabs, cudaStream_t stream) {
-  if (slabs > 0) {  // x resident (the plan checked the device for it)
-    if (p.m > kGemvOneTileM) {
-      if (slabs == 2) return launch_t<BITS, 2, T, kWideWarps, false, true, 2>(p, splits, stream);
-      if (slabs == 4) return launch_t<BITS, 2, T, kWideWarps, false, true, 4>(p, splits, stream);
-      if (slabs == 16) return launch_t<BITS, 2, T, kWideWarps, false, true, 16>(p, splits, stream);
-    } else {
-      if (slabs == 2) return launch_t<BITS, 1, T, kWideWarps, false, true, 2>(p, splits, stream);
-      if (slabs == 4) return launch_t<BITS, 1, T, kWideWarps, false, true, 4>(p, splits, stream);
-      if (slabs == 16) return launch_t<BITS, 1, T, kWideWarps, false, true, 16>(p, splits, stream);
-    }
-    return cudaErrorInvalidValue;
-  }
+  if (slabs > 0)  // x resident (the plan checked the device for it)
+    return p.m > kGemvOneTileM ? launch_xr<BITS, 2, T>(p, splits, slabs, stream) : launch_xr<BITS, 1, T>(p, splits, slabs, stream);
   if (p.m > kGemvOneTileM) {
     // 16 (or 4, four per SM) warps with x through shared memory where the device lets a CTA
     // have the ring, else the 8-warp register kernel
