@@ -20,6 +20,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kbit_common.cuh"
 #include "kbit_layout.cuh"
@@ -53,8 +54,9 @@ template <int BITS> struct PairTable {
   static constexpr bool kCrumbPairs = BITS == 2;
 };
 
-// The codebook as the decoder reads it, every value multiplied by `mult` (1 for the GEMV,
-// which scales in fp32 after the MMA; the wgmma kernel folds the E4M4 decode constant in).
+// The codebook as the decoder reads it, every value multiplied by `mult` (1 where the block
+// scale is applied in fp32 after the MMA; codebook_mult<T>() where scale2 / hmul2 scale the
+// weights before it).
 // K=3,4: writes the replicated pair table to `lut` (all threads of the CTA take part; the
 // caller synchronises). K=2: returns this lane's entry of the 16-entry pair table;
 // K=5: this lane's codebook value (32 entries = 32 lanes), as a pair of equal values.
@@ -79,6 +81,21 @@ __device__ __forceinline__ uint32_t init_codebook(const float* codebook, float m
     }
     return 0u;
   }
+}
+
+// Half2 of the E4M4 scale of column q (byte q of `codes`) in the operand type, without the
+// format's constant (for kernels that scale the weights before the MMA): fp16 bits (code << 6) are E4M4 / 16, bf16 bits (code << 3) E4M4 / 2^116
+// (exact, subnormals included; kbit_layout.cuh). The codebook carries the constant instead.
+template <typename T> __device__ __forceinline__ uint32_t scale2(uint32_t codes, int q) {
+  const uint32_t c2 = prmt(codes, 0u, 0x4040u | uint32_t(q) | (uint32_t(q) << 8));  // code | code << 16
+  return std::is_same<T, __half>::value ? c2 << 6 : c2 << 3;
+}
+template <typename T> constexpr float codebook_mult() { return std::is_same<T, __half>::value ? 16.f : 0x1p116f; }
+
+template <typename T> __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  using V = typename Vec2<T>::type;
+  const V r = __hmul2(*reinterpret_cast<const V*>(&a), *reinterpret_cast<const V*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
 }
 
 __device__ __forceinline__ uint32_t comp(const uint4& v, int i) {

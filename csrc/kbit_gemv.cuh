@@ -18,9 +18,9 @@
 //   * Multiply on the tensor cores even at M = 1: W is the A operand (m16 = two n8 column
 //     groups, exactly the bytes a lane holds in the layout) and x^T the B operand (n8 = up to
 //     8 rows of x; a second n8 tile for M <= 16). So the cost per weight is the decode alone
-//     and does not grow with M. A block's two k16 steps go into a fresh accumulator that is
-//     then scaled by that column's absmax in fp32 (the D fragment rows are the columns the
-//     lane's absmax bytes describe), so the weights enter the MMA as raw codebook values.
+//     and does not grow with M. The block scale multiplies either the decoded pairs (HMUL2)
+//     or, in fp32, a fresh accumulator holding the block's two k16 steps (the D fragment rows
+//     are the columns the lane's absmax bytes describe): per bit width and M, scale_weights.
 //   * Decode, per 32 elements (one word of each bit-plane):
 //       K=2: 2 planes -> two words of 2-bit fields (4 ops); every nibble is a PAIR of indices,
 //            looked up with one shuffle in a 16-entry half2 pair table held by the lanes.
@@ -35,7 +35,8 @@
 //     A pair always holds two elements of one column and one block; since the MMA sums over
 //     k in any order, x is permuted to match (PRMT of the 32-bit x loads), never W.
 //   * E4M4 absmax: fp16 bits (code << 6) == E4M4(code) / 16 exactly (kbit_layout.cuh), two
-//     codes per shift; the 16 is applied once in the epilogue.
+//     codes per shift; the 16 is applied once in the epilogue, or folded into the codebook
+//     where the weights are scaled (scale2 / codebook_mult, kbit_decode.cuh).
 //
 // Where it stands (benchmarks/results, H200, ce7f8ad): K=4, M=1 at 0.66-0.91x Marlin g128's time
 // on the six benchmark shapes (L2 flushed, up to 72% of the copy bandwidth); the GEMMs of an 8B
@@ -138,6 +139,25 @@ constexpr int kXrSlabs[] = {2, 4, 16};
 // the same 162 KB of x rows (144 x 1152 B), enough for K = 9216 at S = 1
 __host__ __device__ constexpr int xr_max_units(int mt) { return mt == 2 ? 72 : 144; }
 
+// Where the E4M4 block scales are applied (compute_stage): on the decoded weights (HMUL2 per
+// pair, the MMAs accumulate in place) or in fp32 on each block's MMA result (FFMA per output:
+// 4 per n8 tile of x and pair of columns, as many as the HMUL2 at 8 < M <= 16, half at M <= 8).
+// Same instruction count at M > 8, shorter chains (no fresh accumulator per block). Measured,
+// 8B decode step, three builds alternated twice in one call (H200, 44b970e + this,
+// bench_decode_gemv_scalew_ab.json), weights everywhere / at M > 8 / nowhere, us:
+//   M = 16: K=2 2004 / 2008 / 2033, K=3 2323 / 2320 / 2254, K=4 2236 / 2235 / 2271, K=5 3143 / 3136 / 3222
+//   M = 1:  K=2 1458 / 1486 / 1490, K=3 1821 / 1774 / 1776, K=4 1708 / 1636 / 1647, K=5 2579 / 2593 / 2597
+// So on the weights at M > 8 except K=3 (its wide-row table kernel got slower), and at M <= 8
+// for K=2 only (its shuffle lookups leave the FMA pipe idle; K=4 lost 4% there).
+// KBIT_GEMV_DEV_SCALEW (probe builds): 0 = fp32 everywhere, 2 = weights everywhere.
+template <int BITS, int MT> constexpr bool scale_weights() {
+#if defined(KBIT_GEMV_DEV_SCALEW)
+  return KBIT_GEMV_DEV_SCALEW == 2 || (KBIT_GEMV_DEV_SCALEW == 1 && MT == 2);
+#else
+  return MT == 2 ? BITS != 3 : BITS == 2;
+#endif
+}
+
 // One unit as a lane holds it in registers: its 16 bytes of each bit-plane, the 16 absmax
 // codes of its column group, and the x pairs its B fragments need.
 template <int BITS, int MT> struct Stage : LaneUnit<BITS> {  // planes w, absmax a
@@ -185,7 +205,10 @@ __device__ __forceinline__ void load_stage(Stage<BITS, MT>& st, const Params& p,
 // Decode one unit and accumulate (see the file comment for the scheme).
 // kXs: x is read from the stage's ring slot; `xlane` = its address + this lane's ldmatrix row
 // offset, so register i of n8 tile mt, block kb is x[8 mt + g][32 kb + 8 i + 2t], as st.x holds it.
-template <int BITS, int MT, typename T, bool kWideLut, bool kXs>
+// kScaleW (scale_weights): the block scales multiply the decoded pairs (HMUL2, the weight rounded
+// once to T, as the wgmma kernel and the dequantize path do) and the MMAs accumulate in place;
+// else each block's two k16 steps go into a fresh accumulator scaled in fp32 (FFMA per output).
+template <int BITS, int MT, typename T, bool kWideLut, bool kXs, bool kScaleW>
 __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (&acc)[kPairsPerLane][MT][4],
                                               uint32_t lut_addr, uint32_t table, uint32_t xlane) {
 #pragma unroll
@@ -216,34 +239,44 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
       for (int b = 0; b < BITS; ++b) planes[b] = comp(st.w[b], w);
       Decoder<BITS, T, kWideLut> dec;
       dec.load(planes);
-      // absmax codes of columns q = 0..3 of this word: (code << 6) as fp16 is E4M4 / 16
       const uint32_t codes = comp(st.a, w);
-      const uint32_t s02 = (codes & 0x00FF00FFu) << 6, s13 = (codes >> 2) & 0x3FC03FC0u;
-      const float2 f02 = __half22float2(*reinterpret_cast<const __half2*>(&s02));
-      const float2 f13 = __half22float2(*reinterpret_cast<const __half2*>(&s13));
-      const float scale[4] = {f02.x, f13.x, f02.y, f13.y};
+      // fp32 path: (code << 6) as fp16 is E4M4 / 16, for columns q = 0..3 of this word
+      float scale[4] = {0.f, 0.f, 0.f, 0.f};
+      if constexpr (!kScaleW) {
+        const uint32_t s02 = (codes & 0x00FF00FFu) << 6, s13 = (codes >> 2) & 0x3FC03FC0u;
+        const float2 f02 = __half22float2(*reinterpret_cast<const __half2*>(&s02));
+        const float2 f13 = __half22float2(*reinterpret_cast<const __half2*>(&s13));
+        scale[0] = f02.x, scale[1] = f13.x, scale[2] = f02.y, scale[3] = f13.y;
+      }
 #pragma unroll
       for (int qp = 0; qp < 2; ++qp) {
         const int q0 = 2 * qp, q1 = 2 * qp + 1;
+        const uint32_t s0 = kScaleW ? scale2<T>(codes, q0) : 0u, s1 = kScaleW ? scale2<T>(codes, q1) : 0u;
         uint32_t a0[4], a1[4];
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           a0[s] = dec.pair(q0, s, lut_addr, table);
           a1[s] = dec.pair(q1, s, lut_addr, table);
+          if constexpr (kScaleW) a0[s] = hmul2<T>(a0[s], s0), a1[s] = hmul2<T>(a1[s], s1);
         }
         const uint32_t frag0[4] = {a0[0], a1[0], a0[1], a1[1]};  // k16 step 0: pairs 0, 1
         const uint32_t frag1[4] = {a0[2], a1[2], a0[3], a1[3]};  // k16 step 1: pairs 2, 3
         const int pr = 2 * h + qp;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          const float zero[4] = {0.f, 0.f, 0.f, 0.f};
-          float d[4];
-          mma_m16n8k16<T>(d, frag0, bx[mt][0][0], bx[mt][0][1], zero);  // A = W, B = x^T
-          mma_m16n8k16<T>(d, frag1, bx[mt][1][0], bx[mt][1][1], d);
-          acc[pr][mt][0] = fmaf(scale[q0], d[0], acc[pr][mt][0]);
-          acc[pr][mt][1] = fmaf(scale[q0], d[1], acc[pr][mt][1]);
-          acc[pr][mt][2] = fmaf(scale[q1], d[2], acc[pr][mt][2]);
-          acc[pr][mt][3] = fmaf(scale[q1], d[3], acc[pr][mt][3]);
+          if constexpr (kScaleW) {
+            mma_m16n8k16<T>(acc[pr][mt], frag0, bx[mt][0][0], bx[mt][0][1], acc[pr][mt]);  // A = W, B = x^T
+            mma_m16n8k16<T>(acc[pr][mt], frag1, bx[mt][1][0], bx[mt][1][1], acc[pr][mt]);
+          } else {
+            const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+            float d[4];
+            mma_m16n8k16<T>(d, frag0, bx[mt][0][0], bx[mt][0][1], zero);
+            mma_m16n8k16<T>(d, frag1, bx[mt][1][0], bx[mt][1][1], d);
+            acc[pr][mt][0] = fmaf(scale[q0], d[0], acc[pr][mt][0]);
+            acc[pr][mt][1] = fmaf(scale[q0], d[1], acc[pr][mt][1]);
+            acc[pr][mt][2] = fmaf(scale[q1], d[2], acc[pr][mt][2]);
+            acc[pr][mt][3] = fmaf(scale[q1], d[3], acc[pr][mt][3]);
+          }
         }
       }
     }
@@ -286,6 +319,8 @@ template <typename S> bool device_fits() {
 
 // Register (kXs: ring) stages of a warp's unit stream.
 // x resident at M <= 8 keeps the register kernels' depth (its stages hold no x, as the ring's).
+// At M > 8 a third stage fits the resident kernels' 128 registers (4-8 B of spills) and was
+// slower: 28672x4096 at M = 16 32.5 -> 34.6 us, the 8B step +2% (K=4, same call as scale_weights).
 template <int BITS, bool kXs, int MT = 2, int G = 0> constexpr int stages() {
   return kXs && !(G > 0 && MT == 1) ? kXSmemStages : Traits<BITS>::kStages;
 }
@@ -323,6 +358,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   constexpr int kSlabs = G > 0 ? G : 1, kWarps = W / kSlabs, kThreads = W * 32;
   extern __shared__ __align__(16) uint32_t smem_raw[];
   using S = Smem<BITS, MT, W, kWide, kXs, G>;
+  constexpr bool kScaleW = scale_weights<BITS, MT>();
   const uint32_t smem_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
   const uint32_t lut_base = kWide ? (smem_addr + 0xFFFFu) & ~0xFFFFu : smem_addr;
   uint32_t* smem = smem_raw + (lut_base - smem_addr) / 4;  // the table, then the reduction
@@ -347,7 +383,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
     cp_async_commit();
   }
   // ---- codebook table: in the lanes (K=2: pair table, K=5: values) or in shared memory
-  const uint32_t table = init_codebook<BITS, T, kWide>(p.codebook, 1.0f, smem, threadIdx.x, kThreads);
+  const uint32_t table = init_codebook<BITS, T, kWide>(p.codebook, kScaleW ? codebook_mult<T>() : 1.0f, smem, threadIdx.x, kThreads);
   if constexpr (Traits<BITS>::kLutEntries > 0) __syncthreads();
   // entry v of replica r is the word 32 v + r (bank r), 64 v + r with wide rows; lane l reads
   // replica l % kLutReplicas. Wide rows: the PRMT key (kbit_decode.cuh, Decoder::pair).
@@ -388,7 +424,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
           const int nxt = it + kStages - 1, sn = (s + kStages - 1) % kStages;
           if (nxt < n_iter)
             st[sn].load(p.packed, p.absmax, (long long)nu * p.ku_count + ku_begin + warp + nxt * kWarps, lane);
-          compute_stage<BITS, MT, T, kWide, kXs>(st[s], acc, lut_addr, table, xlane + (warp + it * kWarps) * S::kXSlot);
+          compute_stage<BITS, MT, T, kWide, kXs, kScaleW>(st[s], acc, lut_addr, table, xlane + (warp + it * kWarps) * S::kXSlot);
         }
       }
     }
@@ -412,7 +448,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
           cp_async_wait<kStages - 1>();
           __syncwarp();  // the other lanes' copies into slot s are visible
         }
-        compute_stage<BITS, MT, T, kWide, kXs>(st[s], acc, lut_addr, table, xlane + s * S::kXSlot);
+        compute_stage<BITS, MT, T, kWide, kXs, kScaleW>(st[s], acc, lut_addr, table, xlane + s * S::kXSlot);
       }
     }
   }
@@ -470,7 +506,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
 #else
       s = part[e];
 #endif
-      float v = 16.f * s;  // the absmax scales were E4M4 / 16
+      float v = kScaleW ? s : 16.f * s;  // the fp32 scales were E4M4 / 16
       if (bias != nullptr) v += to_float(bias[col]);
       y[(long long)row * p.n + col] = from_float<T>(v);
     }

@@ -282,21 +282,6 @@ template <> __device__ __forceinline__ void wgmma_rs<128, __nv_bfloat16>(float (
 }
 #endif  // KBIT_WGMMA_DEVICE
 
-// Half2 of the E4M4 scale of column q (byte q of `codes`) in the operand type, without the
-// format's constant: fp16 bits (code << 6) are E4M4 / 16, bf16 bits (code << 3) E4M4 / 2^116
-// (exact, subnormals included; kbit_layout.cuh). The codebook carries the constant instead.
-template <typename T> __device__ __forceinline__ uint32_t scale2(uint32_t codes, int q) {
-  const uint32_t c2 = prmt(codes, 0u, 0x4040u | uint32_t(q) | (uint32_t(q) << 8));  // code | code << 16
-  return std::is_same<T, __half>::value ? c2 << 6 : c2 << 3;
-}
-template <typename T> constexpr float codebook_mult() { return std::is_same<T, __half>::value ? 16.f : 0x1p116f; }
-
-template <typename T> __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
-  using V = typename Vec2<T>::type;
-  const V r = __hmul2(*reinterpret_cast<const V*>(&a), *reinterpret_cast<const V*>(&b));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-
 // A fragments of one plane word (block kb = wi / 2, n8 groups 4h..4h+3, h = wi % 2): row tiles
 // 2h (groups 4h, 4h+1) and 2h+1 (groups 4h+2, 4h+3) as A[qp][k16 step][register].
 template <int BITS, typename T, bool kWideLut = false>
