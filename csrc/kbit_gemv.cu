@@ -46,32 +46,44 @@ struct Plan {
 // Estimated time of a plan, in units of one warp's unit time: the busiest warp's units, each
 // costing 1 + (M / 32) / G (x's share of the L2 -> SM bytes, which grows with M: at M = 16 the
 // x ring, G = 1, took the 8B step to 1.45x its M = 1 time), plus a fixed 2 (table, pipeline
-// fill, reduction) and 1.5 for a cluster reduction, times the waves of `per_sm` CTAs per SM.
+// fill, reduction; 1.5 with one warp per slab, whose partial sums need no cross-warp pass) and
+// 1.5 for a cluster reduction, times the waves of `per_sm` CTAs per SM.
 double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int warps, int per_sm) {
   const int chunk = div_up(ku, s);
   const long long waves = div_up((long long)div_up(nu, g) * s, (long long)num_sms * per_sm);
-  return waves * (div_up(chunk, warps / g) * (1.0 + m / 32.0 / g) + 2.0 + (s > 1 ? 1.5 : 0.0));
+  const double fixed = warps == g ? 1.5 : 2.0;
+  return waves * (div_up(chunk, warps / g) * (1.0 + m / 32.0 / g) + fixed + (s > 1 ? 1.5 : 0.0));
 }
 
 // x resident (kbit_gemv.cuh, kXrSlabs): slabs per CTA G and split S for 16-warp CTAs, one per
-// SM, by plan_cost; ties go to the larger G (less x), then the smaller S. S <= 2: x resident
-// with S = 4 (clusters of four 16-warp CTAs of up to 227 KB, one per SM) took twice the time of
-// the ring on 4096x4096 and 4096x14336 (15.3 / 31.6 against 9.1 / 17.8 us in the 8B decode
-// step at M = 12, H200): a second wave, it seems, as for the wgmma kernel's spread clusters
-// of 7-8 (kbit_wgmma.cuh). `forced_s` > 0 fixes S, `forced_g` > 0 G. G = 0 where no K range fits.
+// SM, by plan_cost; ties go to the larger G (less x), then the smaller S. S <= 2, but for
+// S = 4 at G = 16 in one wave with >= 8 units a warp (kS4Min), K != 2. x resident with S = 4 and
+// several warps per slab took twice the time of the ring on 4096x4096 and 4096x14336 (G = 2:
+// 15.3 / 31.6 against 9.1 / 17.8 us in the 8B decode step at M = 12, H200; G = 4 on qkv / o
+// at M = 1..16 1.1-1.4x); one warp per slab (G = 16), each streaming its slab's K range of a
+// cluster of four, is what won: 28672x4096 at M = 12 / 16 28.5 / 28.8 us against the plan's
+// G = 4, S = 1 31.5 / 31.9 (M = 4 / 8: 23.1 / 23.3 against 25.1 / 26.8, which the model does
+// not see; bench_decode_gemv_xr_g16s4_dfc970f.json), and in two or more waves it lost
+// (128256x4096 at M = 16 140 against 99 us). K=2, whose units decode fastest, lost with it
+// (28672x4096 at M = 11 / 12 / 16: 29.0 / 29.1 / 29.1 against 27.7 / 27.9 / 28.7 us; K=5 -1-2%).
+// `forced_s` > 0 fixes S, `forced_g` > 0 G. G = 0 where no K range fits.
+constexpr int kS4Min = 8;
 struct XrPlan {
   int splits, slabs;
   double cost;
 };
-XrPlan choose_xr(int m, int nu, int ku, int num_sms, int forced_s, int forced_g = 0) {
+XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, int forced_s, int forced_g = 0) {
   XrPlan best = {1, 0, 0.0};
   const int max_units = xr_max_units(m > kGemvOneTileM ? 2 : 1);
   for (const int g : kXrSlabs) {
     if (forced_g > 0 && g != forced_g) continue;
-    const int s_lo = forced_s > 0 ? forced_s : 1, s_hi = forced_s > 0 ? forced_s : 2;
+    const int s_lo = forced_s > 0 ? forced_s : 1, s_hi = forced_s > 0 ? forced_s : g == kWideWarps ? 4 : 2;
     for (int s = s_lo; s <= s_hi && s <= ku; ++s) {
       const int chunk = div_up(ku, s), se = div_up(ku, chunk);
       if (chunk > max_units) continue;
+      if (forced_s <= 0 && se > 2 &&
+          (se != 4 || bits == 2 || chunk < kS4Min || (long long)div_up(nu, g) * se > num_sms))
+        continue;
       const double cost = plan_cost(m, nu, ku, num_sms, se, g, kWideWarps, 1);
       if (best.slabs == 0 || cost < best.cost - 1e-9 || (cost < best.cost + 1e-9 && g > best.slabs))
         best = {se, g, cost};
@@ -107,19 +119,19 @@ Plan choose_plan_classic(int m, int nu, int ku, int num_sms) {
   return {smallest(num_sms), kWarps};
 }
 
-// x resident where the model says it beats the classic plan: at 8 < M <= 16 28672x4096 (G = 4)
-// and the larger layers (G = 16), not the 8B model's three others (sm_90: clusters and 227 KB
+// x resident where the model says it beats the classic plan: at 8 < M <= 16 28672x4096 (G = 4;
+// from M = 11 G = 16 in clusters of four, K = 3..5) and the larger layers (G = 16), not the 8B model's three others (sm_90: clusters and 227 KB
 // CTAs); at M <= 8, where x is half the bytes or less, only by a 10% margin, which the model's
 // missing term (the copy before the loop) needed (H200, 8B decode step, same call, K=4, x
 // resident / classic, us: 28672x4096 at M = 1, model 0.98: 29.6 / 27.6 in bench_gemm.py and the
 // step 1710 / 1637; M = 4, 0.93: step 1809 / 1783; M = 8, 0.86: 1964 / 2053; 128256x4096 at
 // M = 1, 0.80: 88.0 / 99.7; 57344x8192 at M = 1, 0.91: 82.1 / 82.5, M = 4, 0.85: 82.7 / 85.3).
 // KBIT_GEMV_XRES=0 (read once): never.
-Plan choose_plan(int m, int nu, int ku, int num_sms) {
+Plan choose_plan(int m, int nu, int ku, int bits, int num_sms) {
   const Plan classic = choose_plan_classic(m, nu, ku, num_sms);
   static const bool xr_off = env_off("KBIT_GEMV_XRES");
   if (xr_off || !device_is_sm90_or_newer() || !xr_fits()) return classic;
-  const XrPlan xr = choose_xr(m, nu, ku, num_sms, 0);
+  const XrPlan xr = choose_xr(m, nu, ku, bits, num_sms, 0);
   const int s = div_up(ku, div_up(ku, classic.splits));
   const int per_sm = classic.warps == kNarrowWarps ? 4 : classic.warps == kWarps ? 2 : 1;
   const double margin = m > kGemvOneTileM ? 1.0 : 0.9;
@@ -146,7 +158,7 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   p.pdl = use_pdl();
   const bool clusters = device_is_sm90_or_newer();
   const int sms = num_sms > 0 ? num_sms : 1;
-  const gemv::Plan plan = gemv::choose_plan(m, n_units(n), p.ku_count, sms);
+  const gemv::Plan plan = gemv::choose_plan(m, n_units(n), p.ku_count, bits, sms);
   int s = splits > 0 ? splits : plan.splits;
   if (s > gemv::kMaxSplits) s = gemv::kMaxSplits;
   if (s > p.ku_count) s = p.ku_count;
@@ -158,12 +170,12 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   // the classic kernels run with the resident plan's 16 warps, not the classic plan's choice
   // (slower for some shapes, not wrong; never in production, which forces no split).
   if (slabs > 0 && splits > 0)
-    slabs = gemv::choose_xr(m, n_units(n), p.ku_count, sms, s).slabs;
+    slabs = gemv::choose_xr(m, n_units(n), p.ku_count, bits, sms, s).slabs;
   // KBIT_GEMV_XR_SLABS = 2 | 4 | 16 (tests and tuning; read once): x resident with that G
   // wherever the device and the K range allow, whatever the model says
   static const int force_slabs = env_int("KBIT_GEMV_XR_SLABS", 0);
   if ((force_slabs == 2 || force_slabs == 4 || force_slabs == 16) && clusters && gemv::xr_fits()) {
-    const gemv::XrPlan xr = gemv::choose_xr(m, n_units(n), p.ku_count, sms, splits > 0 ? s : 0, force_slabs);
+    const gemv::XrPlan xr = gemv::choose_xr(m, n_units(n), p.ku_count, bits, sms, splits > 0 ? s : 0, force_slabs);
     if (xr.slabs > 0) {
       slabs = xr.slabs;
       if (splits <= 0) s = xr.splits, p.chunk = div_up(p.ku_count, s);

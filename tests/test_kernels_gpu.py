@@ -246,6 +246,50 @@ def test_gemv_variants(tmp_path):
             assert _rel_err(y, ref) < TOL[torch.bfloat16], (name, i, _rel_err(y, ref))
 
 
+_GEMV_XR_SPLITS = _SCRIPT_PRELUDE + r"""
+# x resident with G = int(argv[2]) slabs per CTA and every split S = 1..4 (clusters of S along K;
+# G = 16, S = 4 is what the plan takes for 28672x4096 at M >= 11), fp16 and bf16, M = 1, 13, 16;
+# then the plan's own choice on 28672x4096 (auto split, the switch unset in the parent).
+out = []
+for n, k in ((1000, 2080), (12800, 2080)):
+    for bits in (2, 4, 5):
+        g = torch.Generator(device="cuda").manual_seed(n + bits)
+        packed, ap, cb, w64 = weight(n, k, bits, g)
+        for splits in (1, 2, 3, 4):
+            for m in (1, 13, 16):
+                dtype = torch.float16 if (m + splits) % 2 else torch.bfloat16
+                x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
+                torch.full((1 << 18,), float("nan"), device="cuda")  # NaN in the block y will reuse
+                y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, splits)
+                out.append((y.cpu(), (x.double() @ w64.t()).cpu(), str(dtype)))
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("slabs", [2, 4, 16])
+def test_gemv_resident_splits(tmp_path, slabs):
+    """x resident in CTAs of 2, 4, 16 slabs (KBIT_GEMV_XR_SLABS, read once: a subprocess each)
+    with every split-K cluster size 1..4 meets the float64 reference."""
+    f = tmp_path / "out.pt"
+    subprocess.run([sys.executable, "-c", _GEMV_XR_SPLITS, str(f)], check=True, timeout=300,
+                   env=dict(os.environ, KBIT_GEMV_XR_SLABS=str(slabs)))
+    outs = torch.load(f)
+    assert len(outs) == 2 * 3 * 4 * 3
+    for i, (y, ref, dtype) in enumerate(outs):
+        tol = TOL[torch.float16 if dtype == str(torch.float16) else torch.bfloat16]
+        assert torch.isfinite(y).all(), (slabs, i)
+        assert _rel_err(y, ref) < tol, (slabs, i, _rel_err(y, ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemv_wide_layer_plan(dtype):
+    """28672x4096 (Llama-3-8B's gate_up, 448 slabs) through the op's own dispatch at every M the
+    GEMV's plans differ on: classic 4-warp CTAs, x resident in CTAs of four slabs, and of
+    sixteen slabs in clusters of four (M >= 11)."""
+    for m in (1, 4, 6, 8, 9, 11, 12, 16):
+        _check_gemm(28672, 4096, 4, dtype, m, bias=bool(m % 2))
+
+
 _DEQUANT_CHUNKS = _SCRIPT_PRELUDE + r"""
 out = []
 k = 4128  # a half unit at the end of K
