@@ -57,15 +57,16 @@ double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int warps, in
 
 // x resident (kbit_gemv.cuh, kXrSlabs): slabs per CTA G and split S for 16-warp CTAs, one per
 // SM, by plan_cost; ties go to the larger G (less x), then the smaller S. S <= 2, but for
-// S = 4 at G = 16 in one wave with >= 8 units a warp (kS4Min), K != 2. x resident with S = 4 and
+// S = 4 at G = 16 in one wave with >= 8 units a warp (kS4Min), K >= 4. x resident with S = 4 and
 // several warps per slab took twice the time of the ring on 4096x4096 and 4096x14336 (G = 2:
 // 15.3 / 31.6 against 9.1 / 17.8 us in the 8B decode step at M = 12, H200; G = 4 on qkv / o
 // at M = 1..16 1.1-1.4x); one warp per slab (G = 16), each streaming its slab's K range of a
 // cluster of four, is what won: 28672x4096 at M = 12 / 16 28.5 / 28.8 us against the plan's
 // G = 4, S = 1 31.5 / 31.9 (M = 4 / 8: 23.1 / 23.3 against 25.1 / 26.8, which the model does
 // not see; bench_decode_gemv_xr_g16s4_dfc970f.json), and in two or more waves it lost
-// (128256x4096 at M = 16 140 against 99 us). K=2, whose units decode fastest, lost with it
-// (28672x4096 at M = 11 / 12 / 16: 29.0 / 29.1 / 29.1 against 27.7 / 27.9 / 28.7 us; K=5 -1-2%).
+// (128256x4096 at M = 16 140 against 99 us). K=2 and K=3 lost with it (28672x4096 at M = 11 /
+// 12 / 16: K=2 29.0 / 29.1 / 29.1 against 27.7 / 27.9 / 28.7 us, K=3 31.7 / 31.8 / 31.7 against
+// 30.8 / 30.8 / 31.4; K=5 -1-2%).
 // `forced_s` > 0 fixes S, `forced_g` > 0 G. G = 0 where no K range fits.
 constexpr int kS4Min = 8;
 struct XrPlan {
@@ -82,7 +83,7 @@ XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, int forced_s, int
       const int chunk = div_up(ku, s), se = div_up(ku, chunk);
       if (chunk > max_units) continue;
       if (forced_s <= 0 && se > 2 &&
-          (se != 4 || bits == 2 || chunk < kS4Min || (long long)div_up(nu, g) * se > num_sms))
+          (se != 4 || bits < 4 || chunk < kS4Min || (long long)div_up(nu, g) * se > num_sms))
         continue;
       const double cost = plan_cost(m, nu, ku, num_sms, se, g, kWideWarps, 1);
       if (best.slabs == 0 || cost < best.cost - 1e-9 || (cost < best.cost + 1e-9 && g > best.slabs))
@@ -120,7 +121,7 @@ Plan choose_plan_classic(int m, int nu, int ku, int num_sms) {
 }
 
 // x resident where the model says it beats the classic plan: at 8 < M <= 16 28672x4096 (G = 4;
-// from M = 11 G = 16 in clusters of four, K = 3..5) and the larger layers (G = 16), not the 8B model's three others (sm_90: clusters and 227 KB
+// from M = 11 G = 16 in clusters of four, K = 4, 5) and the larger layers (G = 16), not the 8B model's three others (sm_90: clusters and 227 KB
 // CTAs); at M <= 8, where x is half the bytes or less, only by a 10% margin, which the model's
 // missing term (the copy before the loop) needed (H200, 8B decode step, same call, K=4, x
 // resident / classic, us: 28672x4096 at M = 1, model 0.98: 29.6 / 27.6 in bench_gemm.py and the

@@ -248,7 +248,7 @@ def test_gemv_variants(tmp_path):
 
 _GEMV_XR_SPLITS = _SCRIPT_PRELUDE + r"""
 # x resident with G = int(argv[2]) slabs per CTA and every split S = 1..4 (clusters of S along K;
-# G = 16, S = 4 is what the plan takes for 28672x4096 at M >= 11), fp16 and bf16, M = 1, 13, 16;
+# G = 16, S = 4 is what the plan takes for 28672x4096 at M >= 11, K = 4, 5), fp16 and bf16, M = 1, 13, 16;
 # then the plan's own choice on 28672x4096 (auto split, the switch unset in the parent).
 out = []
 for n, k in ((1000, 2080), (12800, 2080)):
