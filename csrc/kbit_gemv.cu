@@ -120,13 +120,14 @@ Plan choose_plan_classic(int m, int nu, int ku, int num_sms) {
   return {smallest(num_sms), kWarps};
 }
 
-// x resident where the model says it beats the classic plan: at 8 < M <= 16 28672x4096 (G = 4;
-// from M = 11 G = 16 in clusters of four, K = 4, 5) and the larger layers (G = 16), not the 8B model's three others (sm_90: clusters and 227 KB
-// CTAs); at M <= 8, where x is half the bytes or less, only by a 10% margin, which the model's
-// missing term (the copy before the loop) needed (H200, 8B decode step, same call, K=4, x
-// resident / classic, us: 28672x4096 at M = 1, model 0.98: 29.6 / 27.6 in bench_gemm.py and the
-// step 1710 / 1637; M = 4, 0.93: step 1809 / 1783; M = 8, 0.86: 1964 / 2053; 128256x4096 at
-// M = 1, 0.80: 88.0 / 99.7; 57344x8192 at M = 1, 0.91: 82.1 / 82.5, M = 4, 0.85: 82.7 / 85.3).
+// x resident where the model says it beats the classic plan: at 8 < M <= 16 28672x4096 (G = 4; from
+// M = 11 G = 16 in clusters of four, K = 4, 5) and the larger layers (G = 16), not the 8B model's
+// three others (sm_90: clusters and 227 KB CTAs); at M <= 8, where x is half the bytes or less,
+// only by a 10% margin, which the model's missing term (the copy before the loop) needed (H200, 8B
+// decode step, same call, K=4, x resident / classic, us: 28672x4096 at M = 1, model 0.98: 29.6 /
+// 27.6 in bench_gemm.py and the step 1710 / 1637; M = 4, 0.93: step 1809 / 1783; M = 8, 0.86: 1964
+// / 2053; 128256x4096 at M = 1, 0.80: 88.0 / 99.7; 57344x8192 at M = 1, 0.91: 82.1 / 82.5, M = 4,
+// 0.85: 82.7 / 85.3).
 // KBIT_GEMV_XRES=0 (read once): never.
 Plan choose_plan(int m, int nu, int ku, int bits, int num_sms) {
   const Plan classic = choose_plan_classic(m, nu, ku, num_sms);

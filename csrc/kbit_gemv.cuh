@@ -45,12 +45,13 @@
 // the grid has at most one CTA per SM, one-wave split-K, 4-warp CTAs where the slabs fit four
 // per SM (28672x4096: 24.7 -> 23.3 us in the graph). At 8 < M <= 16 every layer stays here
 // (kbit_ops.h), x staged in shared memory (kXRowBytes) by 16-warp or four 4-warp CTAs per SM,
-// and since the fourteenth session resident for the CTA's whole K range in CTAs of 2, 4 or 16
-// slabs where the plan's model says so (kXrSlabs; 28672x4096 and larger): 28672x4096 at M = 16
-// 37.8 -> 32.0 us (28.8 since the fifteenth session: G = 16 in clusters of four at K = 4, 5), the 8B step at M = 12 / 16 K=4 2323 / 2435 -> 2191 / 2255 us (K=2 -5%, K=3
-// -7%, K=5 -2%), 128256x4096 (an lm_head) 152 -> 112 us, 57344x8192 124 -> 112 us; at M <= 8
-// for the layers where the model clears a 10% margin (kbit_gemv.cu: 28672x4096 from M = 6, the
-// larger ones from M = 1 or 2): M = 8 step 2053 -> 1964 us, 128256x4096 at M = 1 99.7 -> 88.0 us.
+// and since the fourteenth session resident for the CTA's whole K range in CTAs of 2, 4 or 16 slabs
+// where the plan's model says so (kXrSlabs; 28672x4096 and larger): 28672x4096 at M = 16 37.8 ->
+// 32.0 us (28.8 since the fifteenth session: G = 16 in clusters of four at K = 4, 5), the 8B step
+// at M = 12 / 16 K=4 2323 / 2435 -> 2191 / 2255 us (K=2 -5%, K=3 -7%, K=5 -2%), 128256x4096 (an
+// lm_head) 152 -> 112 us, 57344x8192 124 -> 112 us; at M <= 8 for the layers where the model clears
+// a 10% margin (kbit_gemv.cu: 28672x4096 from M = 6, the larger ones from M = 1 or 2): M = 8 step
+// 2053 -> 1964 us, 128256x4096 at M = 1 99.7 -> 88.0 us.
 // Next: the ~5 us fixed cost per call on the small layers (a per-CTA trace, docs/MMA.md: launch
 // gap < 1 us, table ~0.5, reduction 1-3); K=3/5 still transpose planes; M = 9..16 at one unit in
 // flight per warp (two stages fit 128 registers). 28672x4096's CTAs end up to 5.5 / 10.4 us apart
