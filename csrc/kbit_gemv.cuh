@@ -50,7 +50,7 @@
 // 32.0 us (28.8 since the fifteenth session: G = 16 in clusters of four at K = 4, 5), the 8B step
 // at M = 12 / 16 K=4 2323 / 2435 -> 2191 / 2255 us (K=2 -5%, K=3 -7%, K=5 -2%), 128256x4096 (an
 // lm_head) 152 -> 112 us, 57344x8192 124 -> 112 us; at M <= 8 for the layers where the model clears
-// a 10% margin (kbit_gemv.cu: 28672x4096 from M = 6, the larger ones from M = 1 or 2): M = 8 step
+// a 10% margin (kbit_gemv_plan.h: 28672x4096 from M = 6, the larger ones from M = 1 or 2): M = 8 step
 // 2053 -> 1964 us, 128256x4096 at M = 1 99.7 -> 88.0 us.
 // Next: the ~5 us fixed cost per call on the small layers (a per-CTA trace, docs/MMA.md: launch
 // gap < 1 us, table ~0.5, reduction 1-3); K=3/5 still transpose planes; M = 9..16 at one unit in
@@ -80,25 +80,15 @@
 
 #include "kbit_common.cuh"
 #include "kbit_decode.cuh"
+#include "kbit_gemv_plan.h"
 #include "kbit_layout.cuh"
 #include "kbit_ops.h"
 
 namespace kbit {
 namespace gemv {
 
-constexpr int kWarps = 8;                 // warps per CTA (two CTAs per SM at M <= 8)
-// CTA sizes at M <= 8 (kbit_gemv.cu picks one from the grid, always 16 warps per SM; at M > 8
-// kWideWarps or kNarrowWarps with x through shared memory, kWarps with x in registers):
-//   kWideWarps where the grid has at most one CTA per SM anyway (64-column slabs x splits
-//   <= SMs, e.g. 4096x14336 and 4096x4096 at S = 2): twice the warps per SM to hide the DRAM
-//   latency;
-//   kNarrowWarps (four CTAs per SM) where the slabs fit four per SM but not two: one wave
-//   instead of 1.7 on 28672x4096 (448 slabs, 264 two-per-SM slots).
-constexpr int kWideWarps = 16;
-constexpr int kNarrowWarps = 4;
 // CTAs per SM the kernel is compiled for (registers: 65536 / (threads x this) each).
 template <int MT, int W> constexpr int min_blocks() { return W == kNarrowWarps ? 4 : MT > 1 ? 1 : W == kWarps ? 2 : 1; }
-constexpr int kMaxSplits = 8;             // portable cluster size
 constexpr int kPairsPerLane = 4;          // m16 column-group pairs per unit (8 n8 groups / 2)
 
 using Params = StreamParams;  // kbit_common.cuh
@@ -117,7 +107,7 @@ template <int BITS> struct Traits : PairTable<BITS> {
 // 16-byte cp.async (four rows per instruction) into a ring slot of its own and reads the B
 // fragments with one ldmatrix.x4 per n8 tile and block. That fits 128 registers with two
 // stages (one unit in flight per warp while one decodes), so 16 warps per SM (one 16-warp or
-// four 4-warp CTAs, kbit_gemv.cu): 8B decode step at M = 16 0.87-0.94x the time at K = 2..5
+// four 4-warp CTAs, kbit_gemv_plan.h): 8B decode step at M = 16 0.87-0.94x the time at K = 2..5
 // (L1 52%, DRAM 42%). Rows are padded to kXRowBytes so the eight rows of an ldmatrix phase hit
 // eight different 16-byte bank groups.
 // KBIT_GEMV_XSMEM=0 (read once) takes the 8-warp register kernel instead wherever the plan
@@ -125,20 +115,6 @@ template <int BITS> struct Traits : PairTable<BITS> {
 // CTAs cannot have the ring (sm_86 / sm_89: 99 KB).
 constexpr int kXRowBytes = 144;
 constexpr int kXSmemStages = 2;
-
-// x resident (8 < M <= 16, sm_90): the ring above makes x's L2 -> SM bytes equal the weights'
-// DRAM bytes (a CTA owns one 64-column slab, so each unit's 16 x 64 x tile serves 64 columns),
-// and both streams share the L2 -> SM bandwidth: the 8B step at M = 16 took 1.45x its time at
-// M = 1, where Marlin and Machete (x tiles shared by a CTA's 128-256 columns) take 1.0-1.1x.
-// So a 16-warp CTA instead owns G slabs (kXrSlabs: 2, 4 or 16; 16 / G warps per slab) and
-// loads the x rows of its whole K range into shared memory once, before its main loop, in the
-// ring's row layout: x bytes per weight / G, no per-unit copies or waits, and no x traffic in
-// the loop. Up to xr_max_units(MT) units of K per CTA (the split takes the rest). At M <= 8
-// (one n8 tile, 1152 B of x a unit) the same, with the register kernels' stage count.
-constexpr int kXrSlabs[] = {2, 4, 16};
-// M > 8: (227 KB - the 64 KB reduction scratch) / 2304 B of x a unit, rounded down; M <= 8:
-// the same 162 KB of x rows (144 x 1152 B), enough for K = 9216 at S = 1
-__host__ __device__ constexpr int xr_max_units(int mt) { return mt == 2 ? 72 : 144; }
 
 // Where the E4M4 block scales are applied (compute_stage): on the decoded weights (HMUL2 per
 // pair, the MMAs accumulate in place) or in fp32 on each block's MMA result (FFMA per output:

@@ -172,7 +172,7 @@ def test_gemv_forced_splits(bits):
 def test_gemv_cta_sizes(bits, dtype):
     """M <= 8 runs 16-warp CTAs where 64-column slabs x splits fit one per SM, 4-warp CTAs
     (four per SM) where the slabs fit four per SM, 8-warp CTAs (two per SM) beyond
-    (kbit_gemv.cu): shapes in each range and on their edges, forced splits included. The
+    (kbit_gemv_plan.h): shapes in each range and on their edges, forced splits included. The
     16-warp CTAs read the wide-row pair table (K=3,4; at M > 8 K=3 only, kbit_gemv.cuh)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for n, k, splits in [(1000, 2080, 0), (64 * sms // 2 - 24, 1056, 2), (64 * 2 * sms + 8, 1056, 0),

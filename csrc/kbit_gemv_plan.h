@@ -1,0 +1,166 @@
+// The GEMV path's launch plan (kbit_gemv.cu): split-K factor, CTA size and x residency from the
+// shape and the SM count alone. Host code with no CUDA runtime calls, so CI checks its choices
+// on a CPU machine (tests/cpp/gemv_plan_test.cu); the kernels it plans are kbit_gemv.cuh's.
+#pragma once
+#include "kbit_layout.cuh"
+#include "kbit_ops.h"
+
+namespace kbit {
+namespace gemv {
+
+constexpr int kWarps = 8;                 // warps per CTA (two CTAs per SM at M <= 8)
+// CTA sizes at M <= 8 (kbit_gemv.cu picks one from the grid, always 16 warps per SM; at M > 8
+// kWideWarps or kNarrowWarps with x through shared memory, kWarps with x in registers):
+//   kWideWarps where the grid has at most one CTA per SM anyway (64-column slabs x splits
+//   <= SMs, e.g. 4096x14336 and 4096x4096 at S = 2): twice the warps per SM to hide the DRAM
+//   latency;
+//   kNarrowWarps (four CTAs per SM) where the slabs fit four per SM but not two: one wave
+//   instead of 1.7 on 28672x4096 (448 slabs, 264 two-per-SM slots).
+constexpr int kWideWarps = 16;
+constexpr int kNarrowWarps = 4;
+constexpr int kMaxSplits = 8;             // portable cluster size
+
+// x resident (8 < M <= 16, sm_90): the per-warp x ring (kbit_gemv.cuh, kXRowBytes) makes x's
+// L2 -> SM bytes equal the weights' DRAM bytes (a CTA owns one 64-column slab, so each unit's
+// 16 x 64 x tile serves 64 columns),
+// and both streams share the L2 -> SM bandwidth: the 8B step at M = 16 took 1.45x its time at
+// M = 1, where Marlin and Machete (x tiles shared by a CTA's 128-256 columns) take 1.0-1.1x.
+// So a 16-warp CTA instead owns G slabs (kXrSlabs: 2, 4 or 16; 16 / G warps per slab) and
+// loads the x rows of its whole K range into shared memory once, before its main loop, in the
+// ring's row layout: x bytes per weight / G, no per-unit copies or waits, and no x traffic in
+// the loop. Up to xr_max_units(MT) units of K per CTA (the split takes the rest). At M <= 8
+// (one n8 tile, 1152 B of x a unit) the same, with the register kernels' stage count.
+constexpr int kXrSlabs[] = {2, 4, 16};
+// M > 8: (227 KB - the 64 KB reduction scratch) / 2304 B of x a unit, rounded down; M <= 8:
+// the same 162 KB of x rows (144 x 1152 B), enough for K = 9216 at S = 1
+__host__ __device__ constexpr int xr_max_units(int mt) { return mt == 2 ? 72 : 144; }
+
+// Split-K factor S (cluster size) and CTA size from the shape alone. Measured on the H200 (in
+// a CUDA graph of an 8B decode step, benchmarks/bench_decode.py --kbit-paths gemv:1,...;
+// before that with bench_gemm.py --sweep-splits): a CTA has a fixed cost of a few microseconds
+// (pipeline fill, table, cluster reduction), and a second wave of CTAs costs a whole CTA
+// time, so every rule below aims at one wave of 16 warps per SM:
+//   * NU <= SMs (every slab gets an SM): one CTA per SM, the largest S with NU * S <= SMs;
+//     at M <= 8 those CTAs have 16 warps (kWideWarps). 6144x4096 (NU = 96): 8.3 us at S = 1
+//     against 9.1 at S = 2 with 8-warp CTAs; 4096x14336 (NU = 64): 13.1 us at S = 2 against
+//     15.0 with 8-warp CTAs, 18.6 at S = 1.
+//   * M > 8 (two n8 tiles of x, 128 registers with x staged in shared memory): 16-warp CTAs,
+//     one per SM, at NU <= SMs and beyond 4 SMs; four 4-warp CTAs per SM between, as below.
+//   * SMs < NU <= 4 SMs: four 4-warp CTAs per SM (kNarrowWarps), the largest S with
+//     NU * S <= 4 SMs while each warp still streams >= 8 units (28672x4096: 448 CTAs in one
+//     wave, where 8-warp CTAs took 1.7 waves of two per SM; at M = 9..16, K = 2..5, in the
+//     decode graph: 0.88-1.05x the wgmma kernel's time, same call, gemv_narrow_m9_16_wip.json;
+//     the whole step at M = 9..16 0.92-1.00x, so the GEMV now serves it, kbit_ops.h).
+//   * else, at M <= 8: two 8-warp CTAs per SM when every warp still streams >= 8 units, one
+//     per SM otherwise; S = 1 once NU alone covers that (57344x8192).
+// KBIT_GEMV_WARPS = 4 | 8 | 16 forces the CTA size (tuning; read once); at M > 8 every size
+// but 4 runs 16 warps where x goes through shared memory, and every size runs 8 where it does
+// not (KBIT_GEMV_XSMEM=0, sm_86 / sm_89: kbit_gemv.cuh, launch_dt). Known gap: the plan does
+// not know which, so where x stays in registers a layer of SMs < NU <= 4 SMs keeps the 4-warp
+// split (up to 4 SMs / NU), more waves of 8-warp CTAs than its own plan would take. Slower,
+// not wrong; the fix is to decide x's route before the plan and pass it in.
+struct Plan {
+  int splits, warps, slabs = 0;  // slabs > 0: x resident, that many slabs per 16-warp CTA
+};
+
+// Estimated time of a plan, in units of one warp's unit time: the busiest warp's units, each
+// costing 1 + (M / 32) / G (x's share of the L2 -> SM bytes, which grows with M: at M = 16 the
+// x ring, G = 1, took the 8B step to 1.45x its M = 1 time), plus a fixed 2 (table, pipeline
+// fill, reduction; 1.5 with one warp per slab, whose partial sums need no cross-warp pass) and
+// 1.5 for a cluster reduction, times the waves of `per_sm` CTAs per SM.
+inline double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int warps, int per_sm) {
+  const int chunk = div_up(ku, s);
+  const long long waves = div_up((long long)div_up(nu, g) * s, (long long)num_sms * per_sm);
+  const double fixed = warps == g ? 1.5 : 2.0;
+  return waves * (div_up(chunk, warps / g) * (1.0 + m / 32.0 / g) + fixed + (s > 1 ? 1.5 : 0.0));
+}
+
+// x resident (kbit_gemv.cuh, kXrSlabs): slabs per CTA G and split S for 16-warp CTAs, one per
+// SM, by plan_cost; ties go to the larger G (less x), then the smaller S. S <= 2, but for
+// S = 4 at G = 16 in one wave with >= 8 units a warp (kS4Min), K >= 4. x resident with S = 4 and
+// several warps per slab took twice the time of the ring on 4096x4096 and 4096x14336 (G = 2:
+// 15.3 / 31.6 against 9.1 / 17.8 us in the 8B decode step at M = 12, H200; G = 4 on qkv / o
+// at M = 1..16 1.1-1.4x); one warp per slab (G = 16), each streaming its slab's K range of a
+// cluster of four, is what won: 28672x4096 at M = 12 / 16 28.5 / 28.8 us against the plan's
+// G = 4, S = 1 31.5 / 31.9 (M = 4 / 8: 23.1 / 23.3 against 25.1 / 26.8, which the model does
+// not see; bench_decode_gemv_xr_g16s4_dfc970f.json), and in two or more waves it lost
+// (128256x4096 at M = 16 140 against 99 us). K=2 and K=3 lost with it (28672x4096 at M = 11 /
+// 12 / 16: K=2 29.0 / 29.1 / 29.1 against 27.7 / 27.9 / 28.7 us, K=3 31.7 / 31.8 / 31.7 against
+// 30.8 / 30.8 / 31.4; K=5 -1-2%).
+// `forced_s` > 0 fixes S, `forced_g` > 0 G. G = 0 where no K range fits.
+constexpr int kS4Min = 8;
+struct XrPlan {
+  int splits, slabs;
+  double cost;
+};
+inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, int forced_s, int forced_g = 0) {
+  XrPlan best = {1, 0, 0.0};
+  const int max_units = xr_max_units(m > kGemvOneTileM ? 2 : 1);
+  for (const int g : kXrSlabs) {
+    if (forced_g > 0 && g != forced_g) continue;
+    const int s_lo = forced_s > 0 ? forced_s : 1, s_hi = forced_s > 0 ? forced_s : g == kWideWarps ? 4 : 2;
+    for (int s = s_lo; s <= s_hi && s <= ku; ++s) {
+      const int chunk = div_up(ku, s), se = div_up(ku, chunk);
+      if (chunk > max_units) continue;
+      if (forced_s <= 0 && se > 2 &&
+          (se != 4 || bits < 4 || chunk < kS4Min || (long long)div_up(nu, g) * se > num_sms))
+        continue;
+      const double cost = plan_cost(m, nu, ku, num_sms, se, g, kWideWarps, 1);
+      if (best.slabs == 0 || cost < best.cost - 1e-9 || (cost < best.cost + 1e-9 && g > best.slabs))
+        best = {se, g, cost};
+    }
+  }
+  return best;
+}
+
+// The plan without x resident (x in registers at M <= 8, the per-warp ring above).
+inline Plan choose_plan_classic(int m, int nu, int ku, int num_sms) {
+  const int s_max = ku < kMaxSplits ? ku : kMaxSplits;
+  // the largest S with NU * S <= slots (and, given warps per CTA, >= 8 units per warp)
+  const auto largest = [&](long long slots, int warps_per_cta) {
+    int s = 1;
+    while (s < s_max && (long long)nu * (s + 1) <= slots &&
+           (warps_per_cta == 0 || div_up(div_up(ku, s + 1), warps_per_cta) >= 8))
+      ++s;
+    return s;
+  };
+  if (m > kGemvOneTileM) {
+    if (nu > num_sms && nu <= 4LL * num_sms) return {largest(4LL * num_sms, kNarrowWarps), kNarrowWarps};
+    return {largest(num_sms, 0), kWideWarps};
+  }
+  if (nu <= num_sms) return {largest(num_sms, 0), kWideWarps};
+  if (nu <= 4LL * num_sms) return {largest(4LL * num_sms, kNarrowWarps), kNarrowWarps};
+  const auto smallest = [&](long long ctas_wanted) {
+    int s = 1;
+    while (s < s_max && (long long)nu * s * 10 < 9 * ctas_wanted) ++s;
+    return s;
+  };
+  const int s2 = smallest(2LL * num_sms);
+  if (div_up(div_up(ku, s2), kWarps) >= 8) return {s2, kWarps};
+  return {smallest(num_sms), kWarps};
+}
+
+// x resident where the model says it beats the classic plan: at 8 < M <= 16 28672x4096 (G = 4; from
+// M = 11 G = 16 in clusters of four, K = 4, 5) and the larger layers (G = 16), not the 8B model's
+// three others (sm_90: clusters and 227 KB CTAs); at M <= 8, where x is half the bytes or less,
+// only by a 10% margin, which the model's missing term (the copy before the loop) needed (H200, 8B
+// decode step, same call, K=4, x resident / classic, us: 28672x4096 at M = 1, model 0.98: 29.6 /
+// 27.6 in bench_gemm.py and the step 1710 / 1637; M = 4, 0.93: step 1809 / 1783; M = 8, 0.86: 1964
+// / 2053; 128256x4096 at M = 1, 0.80: 88.0 / 99.7; 57344x8192 at M = 1, 0.91: 82.1 / 82.5, M = 4,
+// 0.85: 82.7 / 85.3).
+// `resident_ok`: the device has clusters and gives a CTA the resident layout's shared memory
+// (sm_90, launch_gemv asks), and KBIT_GEMV_XRES=0 is not set.
+inline Plan choose_plan(int m, int nu, int ku, int bits, int num_sms, bool resident_ok) {
+  const Plan classic = choose_plan_classic(m, nu, ku, num_sms);
+  if (!resident_ok) return classic;
+  const XrPlan xr = choose_xr(m, nu, ku, bits, num_sms, 0);
+  const int s = div_up(ku, div_up(ku, classic.splits));
+  const int per_sm = classic.warps == kNarrowWarps ? 4 : classic.warps == kWarps ? 2 : 1;
+  const double margin = m > kGemvOneTileM ? 1.0 : 0.9;
+  if (xr.slabs > 0 && xr.cost < margin * plan_cost(m, nu, ku, num_sms, s, 1, classic.warps, per_sm))
+    return {xr.splits, kWideWarps, xr.slabs};
+  return classic;
+}
+
+}  // namespace gemv
+}  // namespace kbit

@@ -1,0 +1,95 @@
+// CPU check of the GEMV launch plan (csrc/kbit_gemv_plan.h), built and run by
+// tests/test_gemv_plan.py with nvcc: host code only, no GPU needed. Two kinds of checks:
+//   * the choices the H200 measurements chose (132 SMs; benchmarks/results, kbit_gemv_plan.h
+//     says which run): Llama-3-8B's four decode layers, an lm_head, Llama-3-70B's gate_up;
+//   * invariants over a sweep of shapes, M and K that every launch relies on (split range,
+//     resident K ranges that fit shared memory, the single-wave clusters of four).
+#include <cstdio>
+
+#include "kbit_gemv_plan.h"
+
+using namespace kbit;
+using namespace kbit::gemv;
+
+static int checks = 0, failures = 0;
+#define EXPECT(cond, ...)                                         \
+  do {                                                            \
+    ++checks;                                                     \
+    if (!(cond)) {                                                \
+      ++failures;                                                 \
+      std::printf("FAIL line %d: %s: ", __LINE__, #cond);         \
+      std::printf(__VA_ARGS__);                                   \
+      std::printf("\n");                                          \
+    }                                                             \
+  } while (0)
+
+constexpr int kH200Sms = 132;
+
+static Plan plan(int m, int n, int k, int bits, bool resident_ok = true, int sms = kH200Sms) {
+  return choose_plan(m, n_units(n), k_units(k), bits, sms, resident_ok);
+}
+static void expect_plan(int m, int n, int k, int bits, int splits, int warps, int slabs) {
+  const Plan p = plan(m, n, k, bits);
+  EXPECT(p.splits == splits && p.warps == warps && p.slabs == slabs,
+         "%dx%d M=%d K=%d: got S=%d warps=%d G=%d, want S=%d warps=%d G=%d", n, k, m, bits, p.splits, p.warps,
+         p.slabs, splits, warps, slabs);
+}
+
+int main() {
+  for (int bits = 2; bits <= 5; ++bits) {
+    for (int m = 1; m <= kGemvMaxM; ++m) {
+      // 8B qkv / o / down: one-slab 16-warp CTAs, x never resident (forcing it was slower at
+      // every G and S, bench_decode_gemv_xr_forced_44b970e.json, _small_layers_dfc970f.json)
+      expect_plan(m, 6144, 4096, bits, 1, kWideWarps, 0);
+      expect_plan(m, 4096, 4096, bits, 2, kWideWarps, 0);
+      expect_plan(m, 4096, 14336, bits, 2, kWideWarps, 0);
+      // an lm_head (128256x4096): x resident in 16-slab CTAs at every M
+      expect_plan(m, 128256, 4096, bits, 1, kWideWarps, 16);
+    }
+    // 8B gate_up (28672x4096, 448 slabs): four 4-warp CTAs per SM up to M = 5, x resident in
+    // 4-slab CTAs from M = 6, and at K = 4, 5 from M = 11 16-slab CTAs in clusters of four
+    for (int m = 1; m <= 5; ++m) expect_plan(m, 28672, 4096, bits, 1, kNarrowWarps, 0);
+    for (int m = 6; m <= 10; ++m) expect_plan(m, 28672, 4096, bits, 1, kWideWarps, 4);
+    for (int m = 11; m <= 16; ++m) {
+      if (bits >= 4) expect_plan(m, 28672, 4096, bits, 4, kWideWarps, 16);
+      else expect_plan(m, 28672, 4096, bits, 1, kWideWarps, 4);
+    }
+    // 70B gate_up (57344x8192): 8-warp CTAs at M = 1, then x resident in 16-slab pairs
+    expect_plan(1, 57344, 8192, bits, 1, kWarps, 0);
+    for (int m = 2; m <= 16; ++m) expect_plan(m, 57344, 8192, bits, 2, kWideWarps, 16);
+    // a device without the resident layout (or KBIT_GEMV_XRES=0): never resident
+    for (int m = 1; m <= 16; ++m) EXPECT(plan(m, 28672, 4096, bits, false).slabs == 0, "M=%d", m);
+  }
+
+  // invariants
+  const int ns[] = {64, 72, 200, 1000, 4096, 4104, 6144, 8192, 12800, 14336, 18944, 22016, 27648, 28672,
+                    37888, 57344, 128256, 152064, 256000};
+  const int ks[] = {32, 96, 1056, 2080, 3584, 4096, 5120, 8192, 14336, 18944, 28672};
+  for (const int sms : {108, 132, 144}) {
+    for (const int n : ns) {
+      for (const int k : ks) {
+        for (int bits = 2; bits <= 5; ++bits) {
+          for (int m = 1; m <= kGemvMaxM; ++m) {
+            const Plan p = plan(m, n, k, bits, true, sms);
+            const int nu = n_units(n), ku = k_units(k);
+            EXPECT(p.splits >= 1 && p.splits <= kMaxSplits && p.splits <= ku, "%dx%d M=%d: S=%d", n, k, m, p.splits);
+            EXPECT(p.warps == kNarrowWarps || p.warps == kWarps || p.warps == kWideWarps, "warps %d", p.warps);
+            if (m > kGemvOneTileM) EXPECT(p.warps != kWarps, "%dx%d M=%d: 8-warp CTAs hold x in registers", n, k, m);
+            if (p.slabs > 0) {
+              const int chunk = div_up(ku, p.splits);
+              EXPECT(p.slabs == 2 || p.slabs == 4 || p.slabs == 16, "G=%d", p.slabs);
+              EXPECT(p.warps == kWideWarps, "resident CTAs have 16 warps");
+              EXPECT(chunk <= xr_max_units(m > kGemvOneTileM ? 2 : 1), "%dx%d M=%d: K range %d units", n, k, m, chunk);
+              EXPECT(div_up(ku, chunk) == p.splits, "%dx%d M=%d: an empty split", n, k, m);
+              EXPECT(p.splits <= 2 || (p.splits == 4 && p.slabs == 16 && bits >= 4 && chunk >= kS4Min &&
+                                       (long long)div_up(nu, 16) * 4 <= sms),
+                     "%dx%d M=%d K=%d: S=%d G=%d outside the measured clusters", n, k, m, bits, p.splits, p.slabs);
+            }
+          }
+        }
+      }
+    }
+  }
+  std::printf("gemv_plan_test: %d checks, %d failed\n", checks, failures);
+  return failures == 0 ? 0 : 1;
+}
