@@ -19,6 +19,8 @@ from vllm_kbit import format as kf
 from vllm_kbit import layout as kl
 from vllm_kbit import ops
 
+import gemm_cases
+
 HAVE_KERNELS = torch.cuda.is_available() and ops.HAS_CUDA_KERNELS
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not HAVE_KERNELS, reason="needs a CUDA GPU and the built vllm_kbit._C")]
@@ -247,9 +249,9 @@ def test_gemv_variants(tmp_path):
 
 
 _GEMV_XR_SPLITS = _SCRIPT_PRELUDE + r"""
-# x resident with G = int(argv[2]) slabs per CTA and every split S = 1..4 (clusters of S along K;
-# G = 16, S = 4 is what the plan takes for 28672x4096 at M >= 11, K = 4, 5), fp16 and bf16, M = 1, 13, 16;
-# then the plan's own choice on 28672x4096 (auto split, the switch unset in the parent).
+# x resident with G = $KBIT_GEMV_XR_SLABS slabs per CTA and every split S = 1..4 (clusters of S
+# along K; G = 16, S = 4 is what the plan takes for 28672x4096 at M >= 11, K = 4, 5), fp16 and
+# bf16, M = 1, 13, 16.
 out = []
 for n, k in ((1000, 2080), (12800, 2080)):
     for bits in (2, 4, 5):
@@ -259,7 +261,7 @@ for n, k in ((1000, 2080), (12800, 2080)):
             for m in (1, 13, 16):
                 dtype = torch.float16 if (m + splits) % 2 else torch.bfloat16
                 x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
-                torch.full((1 << 18,), float("nan"), device="cuda")  # NaN in the block y will reuse
+                torch.full((m, n), float("nan"), device="cuda", dtype=dtype)  # freed: the block y reuses
                 y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, splits)
                 out.append((y.cpu(), (x.double() @ w64.t()).cpu(), str(dtype)))
 torch.save(out, sys.argv[1])
@@ -281,13 +283,25 @@ def test_gemv_resident_splits(tmp_path, slabs):
         assert _rel_err(y, ref) < tol, (slabs, i, _rel_err(y, ref))
 
 
+@pytest.mark.parametrize("bits", [2, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gemv_wide_layer_plan(dtype):
+def test_gemv_wide_layer_plan(dtype, bits):
     """28672x4096 (Llama-3-8B's gate_up, 448 slabs) through the op's own dispatch at every M the
-    GEMV's plans differ on: classic 4-warp CTAs, x resident in CTAs of four slabs, and of
-    sixteen slabs in clusters of four (M >= 11)."""
+    GEMV's plans differ on (on an H200, tests/cpp/gemv_plan_test.cu pins which): classic 4-warp
+    CTAs, x resident in CTAs of four slabs, and at K = 4, 5 of sixteen slabs in clusters of four
+    (M >= 11)."""
     for m in (1, 4, 6, 8, 9, 11, 12, 16):
-        _check_gemm(28672, 4096, 4, dtype, m, bias=bool(m % 2))
+        _check_gemm(28672, 4096, bits, dtype, m, bias=bool(m % 2))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemv_subnormal_scales(dtype, bits):
+    """Every block's absmax an E4M4 subnormal, through the GEMV at M = 1 (one n8 tile) and 9, 16
+    (two): where the block scale multiplies the decoded pairs (kbit_gemv.cuh, scale_weights) it
+    is built from the code bits as fp16 / bf16 subnormals, and a flushed one would give zeros."""
+    for m in (1, 9, 16):
+        gemm_cases.check(PATH_GEMV, m, 1000, 2080, bits, dtype, tiny=True, x_scale=256.0)
 
 
 _DEQUANT_CHUNKS = _SCRIPT_PRELUDE + r"""
