@@ -31,7 +31,8 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   const bool clusters = device_is_sm90_or_newer();
   const int sms = num_sms > 0 ? num_sms : 1;
   static const bool xr_off = env_off("KBIT_GEMV_XRES");  // (read once) never x resident
-  const bool resident_ok = !xr_off && clusters && gemv::xr_fits();
+  const bool xr_layout = clusters && gemv::xr_fits();  // the device gives a CTA the resident layout
+  const bool resident_ok = !xr_off && xr_layout;
   const gemv::Plan plan = gemv::choose_plan(m, n_units(n), p.ku_count, bits, sms, resident_ok);
   int s = splits > 0 ? splits : plan.splits;
   if (s > gemv::kMaxSplits) s = gemv::kMaxSplits;
@@ -48,7 +49,7 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   // KBIT_GEMV_XR_SLABS = 2 | 4 | 16 (tests and tuning; read once): x resident with that G
   // wherever the device and the K range allow, whatever the model says
   static const int force_slabs = env_int("KBIT_GEMV_XR_SLABS", 0);
-  if ((force_slabs == 2 || force_slabs == 4 || force_slabs == 16) && clusters && gemv::xr_fits()) {
+  if ((force_slabs == 2 || force_slabs == 4 || force_slabs == 16) && xr_layout) {
     const gemv::XrPlan xr = gemv::choose_xr(m, n_units(n), p.ku_count, bits, sms, splits > 0 ? s : 0, force_slabs);
     if (xr.slabs > 0) {
       slabs = xr.slabs;
