@@ -67,12 +67,16 @@ struct Plan {
 // costing 1 + (M / 32) / G (x's share of the L2 -> SM bytes, which grows with M: at M = 16 the
 // x ring, G = 1, took the 8B step to 1.45x its M = 1 time), plus a fixed 2 (table, pipeline
 // fill, reduction; 1.5 with one warp per slab, whose partial sums need no cross-warp pass) and
-// 1.5 for a cluster reduction, times the waves of `per_sm` CTAs per SM.
-inline double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int warps, int per_sm) {
+// 1.5 for a cluster reduction, times the waves of `per_sm` CTAs per SM. `s4_unit`: one warp per
+// slab in clusters of four streams its units 10% faster than the resident plans of several
+// warps per slab (measured, not explained; choose_xr ranks with it at K=4, choose_plan does not).
+constexpr double kS4Unit = 0.9;
+inline double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int warps, int per_sm,
+                        bool s4_unit = false) {
   const int chunk = div_up(ku, s);
   const long long waves = div_up((long long)div_up(nu, g) * s, (long long)num_sms * per_sm);
-  const double fixed = warps == g ? 1.5 : 2.0;
-  return waves * (div_up(chunk, warps / g) * (1.0 + m / 32.0 / g) + fixed + (s > 1 ? 1.5 : 0.0));
+  const double fixed = warps == g ? 1.5 : 2.0, unit = s4_unit && warps == g && s == 4 ? kS4Unit : 1.0;
+  return waves * (div_up(chunk, warps / g) * (1.0 + m / 32.0 / g) * unit + fixed + (s > 1 ? 1.5 : 0.0));
 }
 
 // x resident (kbit_gemv.cuh, kXrSlabs): slabs per CTA G and split S for 16-warp CTAs, one per
@@ -91,10 +95,11 @@ inline double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int wa
 constexpr int kS4Min = 8;
 struct XrPlan {
   int splits, slabs;
-  double cost;
+  double cost, rank;  // the model's lowest cost over the candidates; this one's rank (kS4Unit)
 };
 inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, int forced_s, int forced_g = 0) {
-  XrPlan best = {1, 0, 0.0};
+  XrPlan best = {1, 0, 0.0, 0.0};
+  double min_cost = -1.0;
   const int max_units = xr_max_units(m > kGemvOneTileM ? 2 : 1);
   for (const int g : kXrSlabs) {
     if (forced_g > 0 && g != forced_g) continue;
@@ -106,10 +111,13 @@ inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, int forced
           (se != 4 || bits < 4 || chunk < kS4Min || (long long)div_up(nu, g) * se > num_sms))
         continue;
       const double cost = plan_cost(m, nu, ku, num_sms, se, g, kWideWarps, 1);
-      if (best.slabs == 0 || cost < best.cost - 1e-9 || (cost < best.cost + 1e-9 && g > best.slabs))
-        best = {se, g, cost};
+      const double rank = plan_cost(m, nu, ku, num_sms, se, g, kWideWarps, 1, bits == 4);
+      min_cost = min_cost < 0 || cost < min_cost ? cost : min_cost;
+      if (best.slabs == 0 || rank < best.rank - 1e-9 || (rank < best.rank + 1e-9 && g > best.slabs))
+        best = {se, g, cost, rank};
     }
   }
+  best.cost = min_cost;  // whether x resident beats the classic plan: by the model alone
   return best;
 }
 

@@ -49,7 +49,10 @@ int main() {
     // 8B gate_up (28672x4096, 448 slabs): four 4-warp CTAs per SM up to M = 5, x resident in
     // 4-slab CTAs from M = 6, and at K = 4, 5 from M = 11 16-slab CTAs in clusters of four
     for (int m = 1; m <= 5; ++m) expect_plan(m, 28672, 4096, bits, 1, kNarrowWarps, 0);
-    for (int m = 6; m <= 10; ++m) expect_plan(m, 28672, 4096, bits, 1, kWideWarps, 4);
+    for (int m = 6; m <= 10; ++m) {
+      if (bits == 4) expect_plan(m, 28672, 4096, bits, 4, kWideWarps, 16);
+      else expect_plan(m, 28672, 4096, bits, 1, kWideWarps, 4);
+    }
     for (int m = 11; m <= 16; ++m) {
       if (bits >= 4) expect_plan(m, 28672, 4096, bits, 4, kWideWarps, 16);
       else expect_plan(m, 28672, 4096, bits, 1, kWideWarps, 4);
