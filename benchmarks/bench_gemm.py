@@ -236,6 +236,10 @@ def main():
         extra_paths = {p: (16 if p == "gemv" else None) for p in args.also_paths.split(",") if p}
         if args.compare_paths and args.path == "auto":
             extra_paths.update({p: 16 for p in ("gemv", "mma") if p == "gemv" or torch.ops.kbit.has_mma()})
+        # Every shape's methods first, then M outer: a compute-bound kernel timed right after
+        # another shape's M = 4096 calls ran up to 1.34x slower (the GPU's clock under sustained
+        # load; baselines 3-14% slower alike), so each M tier is timed together, small M first.
+        per_shape = []
         for n, k in shapes:
             methods = []
             for bits in bits_list:
@@ -253,7 +257,9 @@ def main():
                             methods.append((name, *make(), {}))
                         except Exception as e:  # noqa: BLE001
                             log(f"# {name} unavailable for {n}x{k}: {type(e).__name__}: {e}")
-            for m in ms:
+            per_shape.append((n, k, methods))
+        for m in sorted(ms):
+            for n, k, methods in per_shape:
                 x = torch.randn(m, k, dtype=DT, device="cuda")
                 for name, run, wb, extra in methods:
                     if m > extra.get("max_m", 1 << 30):
@@ -264,8 +270,8 @@ def main():
                         log(f"# {name} failed at {n}x{k} M={m}: {type(e).__name__}: {e}")
                         continue
                     record(n, k, m, name, us, wb, **{kk: v for kk, v in extra.items() if kk != "max_m"})
-            del methods
-            torch.cuda.empty_cache()
+        del per_shape
+        torch.cuda.empty_cache()
 
     # ratios of kbit to each baseline (time ratio: < 1 means kbit is faster)
     base = {(r["n"], r["k"], r["m"], r["method"]): r["us"] for r in results}

@@ -198,12 +198,16 @@ constexpr bool kHasMma = false;
 // A chunk that fits the 50 MB L2 does not pay: the 8B decode step at M = 512 / 1024 took 20145 /
 // 31071 us with 24 MiB, 18536 / 29438 with 64 and 17761 / 28875 with 128 (bench_decode.py
 // --kbit-paths dequant:0, H200, one call): cuBLAS on fewer rows per call loses more than the
-// L2 saves.
+// L2 saves, most on K-heavy layers (64 MiB gave 8192x28672 chunks of 1152 rows: 36 output tiles
+// at M = 1024 for 132 SMs). 256 MiB holds every 8B layer whole and 70B's in 2-4 chunks: against
+// 64, single kernels at M = 1024 (K=4, L2 flushed) 4096x14336 211 / 233, 28672x4096 424 / 455,
+// 8192x28672 911 / 1009, 57344x8192 1800 / 1914 us; the 8B step at M = 1024 / 2048 -1.4..-2.7% /
+// -1..-1.8% at K = 2, 4, 5 (bench_decode_dequant_chunk256_6947cd6.json, same call, H200).
 int64_t dequant_chunk_bytes() {
   static const int64_t bytes = [] {
     const char* f = std::getenv("KBIT_DEQUANT_CHUNK_MIB");
     const int64_t mib = f != nullptr ? std::atoll(f) : 0;
-    return (mib > 0 ? mib : int64_t(64)) << 20;
+    return (mib > 0 ? mib : int64_t(256)) << 20;
   }();
   return bytes;
 }
