@@ -90,7 +90,9 @@ inline double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int wa
 // not see; bench_decode_gemv_xr_g16s4_dfc970f.json), and in two or more waves it lost
 // (128256x4096 at M = 16 140 against 99 us). K=2 and K=3 lost with it (28672x4096 at M = 11 /
 // 12 / 16: K=2 29.0 / 29.1 / 29.1 against 27.7 / 27.9 / 28.7 us, K=3 31.7 / 31.8 / 31.7 against
-// 30.8 / 30.8 / 31.4; K=5 -1-2%).
+// 30.8 / 30.8 / 31.4; K=5 -1-2%). At K=4 the ranking gives G = 16, S = 4 a 0.9 unit cost
+// (kS4Unit), which takes it from M = 6 on 28672x4096 and layers like it: gate_up 23.3 / 23.4 /
+// 28.5 us at M = 6 / 8 / 10 against G = 4's 26.6 / 26.8 / 30.8 (bench_decode_gemv_s4_rank_f0b76b0.json).
 // `forced_s` > 0 fixes S, `forced_g` > 0 G. G = 0 where no K range fits.
 constexpr int kS4Min = 8;
 struct XrPlan {
@@ -149,7 +151,7 @@ inline Plan choose_plan_classic(int m, int nu, int ku, int num_sms) {
 }
 
 // x resident where the model says it beats the classic plan: at 8 < M <= 16 28672x4096 (G = 4; from
-// M = 11 G = 16 in clusters of four, K = 4, 5) and the larger layers (G = 16), not the 8B model's
+// M = 11 G = 16 in clusters of four at K = 5, from M = 6 at K = 4) and the larger layers (G = 16), not the 8B model's
 // three others (sm_90: clusters and 227 KB CTAs); at M <= 8, where x is half the bytes or less,
 // only by a 10% margin, which the model's missing term (the copy before the loop) needed (H200, 8B
 // decode step, same call, K=4, x resident / classic, us: 28672x4096 at M = 1, model 0.98: 29.6 /
