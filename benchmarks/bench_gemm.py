@@ -13,7 +13,7 @@ and command into --out, and prints a short table last.
   python benchmarks/bench_gemm.py --quick         # two shapes, M <= 64
   python benchmarks/bench_gemm.py --path gemv     # force a kbit path (auto|gemv|mma|dequant|wgmma)
   python benchmarks/bench_gemm.py --also-paths mma,wgmma   # + forced paths beside auto
-  python benchmarks/bench_gemm.py --sweep-splits  # GEMV split-K factors 1..8 (tuning)
+  python benchmarks/bench_gemm.py --sweep-splits  # split-K factors: GEMV 1..8, --path wgmma 1..16 (tuning)
   python benchmarks/bench_gemm.py --dequant-only  # the dequantize kernel alone (fp16 out), GB/s
 """
 from __future__ import annotations
@@ -170,7 +170,7 @@ def main():
     ap.add_argument("--compare-paths", action="store_true", help="also time gemv and mma separately for M <= 16")
     ap.add_argument("--also-paths", default="", help="comma list of forced paths timed beside --path (gemv: M <= 16)")
     ap.add_argument("--sweep-splits", action="store_true",
-                    help="split-K factors 1..8: GEMV at M in {1, 16}, or with --path wgmma at --ms")
+                    help="split-K factors: GEMV 1..8 at M in {1, 16}, or with --path wgmma 1..16 at --ms")
     ap.add_argument("--dequant-only", action="store_true",
                     help="time the dequantize kernel (tiled layout -> fp16 W) alone, recorded as M = 0")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -226,7 +226,7 @@ def main():
                     x = torch.randn(m, k, dtype=DT, device="cuda")
                     record(n, k, m, f"kbit{bits}-{sweep_path}-auto", timer(lambda: run(x, PATHS[sweep_path], 0)), wb,
                            bits=bits, splits=0)
-                    for sp in range(1, 9):
+                    for sp in range(1, 17 if sweep_path == "wgmma" else 9):
                         record(n, k, m, f"kbit{bits}-{sweep_path}-s{sp}", timer(lambda: run(x, PATHS[sweep_path], sp)),
                                wb, bits=bits, splits=sp)
                 del run

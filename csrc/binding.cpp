@@ -260,7 +260,7 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
   TORCH_CHECK(path != kGemv || a.m <= kGemvMaxM, msg("kbit::gemm_path: the GEMV path serves M <= ", kGemvMaxM,
               ", got M = ", a.m));
   TORCH_CHECK(path != kMma || kHasMma, msg("kbit::gemm_path: this build has no tensor-core kernel"));
-  TORCH_CHECK(splits >= 0 && splits <= 8, msg("kbit::gemm_path: splits must be 0..8"));
+  TORCH_CHECK(splits >= 0 && splits <= 16, msg("kbit::gemm_path: splits must be 0..16 (the GEMV takes at most 8)"));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const auto* pk = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
   if (path == kGemv) {

@@ -36,7 +36,7 @@
 //     consumers hand stages back through per-stage "empty" mbarriers: no CTA barrier in the
 //     loop (Cfg::kProducer). K=3,4 use the wide-row pair table wherever one CTA holds the SM
 //     (Cfg::kWideLut: 128-token tiles, and the forced 512-column CTAs).
-//   * split-K across a thread-block cluster (<= 8 CTAs along K), reduced through distributed
+//   * split-K across a thread-block cluster (<= 16 CTAs along K), reduced through distributed
 //     shared memory in a fixed order: deterministic, no workspace, one launch (graph safe).
 #pragma once
 #include <cuda_bf16.h>
@@ -68,7 +68,10 @@ namespace kbit {
 namespace wg {
 
 constexpr int kSlabs = 4;               // one 64-column layout slab per warp of a warpgroup
-constexpr int kMaxSplits = 8;           // portable cluster size
+// Split-K clusters of up to 16 CTAs: sizes 9..16 are "non-portable" (sm_90 allows them with
+// cudaFuncAttributeNonPortableClusterSizeAllowed); the plan takes them only for long K ranges
+// (choose_splits, kBigClusterChunk).
+constexpr int kMaxSplits = 16;
 constexpr int kPlanInts = 8;            // wgmma_plan_info's out[] (kbit_ops.h)
 // Grid (splits, token tiles, column groups): the token tiles of one column group are launched
 // next to each other, so the W they share is read from DRAM once and from L2 after (0-7% faster
@@ -632,6 +635,7 @@ template <int BITS, int MT, int CN, int R, typename T> const Occupancy& occupanc
     // two CTAs need 2 x (bytes + 1 KB reserved) <= the SM's shared memory: half of it is too much
     o.spread_bytes = C::kBytes > smem_sm / 2 ? C::kBytes : smem_sm / 2;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, o.spread_bytes);
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, C::kThreads, C::kBytes) == cudaSuccess && b > 0)
       o.per_sm = b;
     for (int s = 1; s <= kMaxSplits; ++s)
@@ -723,12 +727,22 @@ cudaError_t launch_t(const Params& p, int splits, bool spread, cudaStream_t stre
 // A grid of `ctas` that can launch spread: an SM could hold more than one, and the grid fits one per SM.
 inline bool fits_spread(const Occupancy& occ, long long ctas, int num_sms) { return occ.per_sm > 1 && ctas <= num_sms; }
 
+//   * clusters of 9..16 CTAs pay only where each CTA keeps a long K range: with 16 K-tiles or
+//     more a CTA, 4096x14336 took 30.4 against 35.3 us at M = 32 and 36.5 against 37.9 at
+//     M = 64 (K=4; K = 2 / 5 alike), while 4096x4096 at M = 64 (4-7 K-tiles a CTA) went from
+//     18.5 to 21.4 us with them (bench_gemm.py --path wgmma, KBIT_WGMMA_MAX_SPLITS=16 / 8,
+//     alternated twice in one call; the --sweep-splits table is irregular past 8, so only the
+//     model's pick, not every size, is worth trusting there).
+constexpr int kBigClusterChunk = 16;
 inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& occ) {
   constexpr int kAlone = 10, kShared = 17, kFixed = 3 * kAlone;
+  const int cap = env_int("KBIT_WGMMA_MAX_SPLITS", kMaxSplits);  // tuning: 8 = portable sizes only
+  const int max_s = cap < 1 ? 1 : cap > kMaxSplits ? kMaxSplits : cap;
   int best = 1;
   long long best_cost = -1;
-  for (int s = 1; s <= kMaxSplits && s <= ku; ++s) {
+  for (int s = 1; s <= max_s && s <= ku; ++s) {
     if (s > 1 && div_up(ku, s) < 2) break;  // at least two K-tiles per CTA
+    if (s > 8 && div_up(ku, s) < kBigClusterChunk) break;
     const long long ctas = tiles * s;
     const bool spread = fits_spread(occ, ctas, num_sms);
     const int resident = occ.clusters[s][spread] > 0 ? occ.clusters[s][spread]
@@ -744,7 +758,8 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
 
 // Debug overrides for tuning, read on every call, unset in production:
 // KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128, KBIT_WGMMA_WIDE = 1 (512-column CTAs at tiles <= 64),
-// KBIT_WGMMA_SPREAD = 0 (never launch spread) and KBIT_WGMMA_ROWSPLIT = 1 | 2 (at MT = 32).
+// KBIT_WGMMA_SPREAD = 0 (never launch spread), KBIT_WGMMA_ROWSPLIT = 1 | 2 (at MT = 32) and
+// KBIT_WGMMA_MAX_SPLITS = 1..16 (the largest cluster choose_splits considers).
 inline int tile_m(int m) {
   const int t = env_int("KBIT_WGMMA_TILE_M", 0);
   if (t == 16 || t == 32 || t == 64 || t == 128) return t;

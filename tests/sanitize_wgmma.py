@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck python3 tests/sanitize_wgmma.py
 
 Covers the token tiles (16, 32, 64, 128), one and two warpgroups per CTA (row split), the
-producer warpgroup and the wide pair table (tile 128), split-K clusters (forced 1, 2, 3, 8 and
+producer warpgroup and the wide pair table (tile 128), split-K clusters (forced 1, 2, 3, 8, 16 and
 the plan's),
 the M / N / K tails (rows past M, slabs past N, K % 64 == 32), bias, fp16 and bf16, K = 2..5.
 Shapes are tiny so the tools finish in seconds. Exits non-zero if a result is off (the
@@ -27,6 +27,8 @@ CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)
     (100, 300, 4128, 4, torch.float16, True, 3),      # tile 128: producer warpgroup + wide table, 3-CTA cluster
     (130, 520, 2048, 3, torch.bfloat16, False, 0),    # two 128-token tiles, wide table, the plan's split
     (72, 200, 1024, 2, torch.float16, True, 2),       # tile 128 at K=2: producer, replicated table
+    (48, 130, 2048, 4, torch.bfloat16, True, 16),     # tile 64, 16-CTA cluster (non-portable size)
+    (129, 72, 2048, 5, torch.float16, False, 16),     # tile 128: producer + 16-CTA cluster
 ]
 
 

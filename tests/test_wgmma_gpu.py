@@ -68,13 +68,22 @@ def test_subnormal_scales(dtype):
     check(48, 1000, 2080, 4, dtype, tiny=True, x_scale=256.0)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 3, 8])
+@pytest.mark.parametrize("splits", [1, 2, 3, 8, 13])
 @pytest.mark.parametrize("m", [24, 64, 100])
 def test_forced_splits(splits, m):
-    # K = 4128: 65 K-tiles -> chunks of 33/32, 22/22/21, 9 x 7 + 2 (8 splits); N = 1000.
+    # K = 4128: 65 K-tiles -> chunks of 33/32, 22/22/21, 9 x 7 + 2 (8 splits), 12 x 5 + 5 (13:
+    # a non-portable cluster size); N = 1000.
     assert plan(m, 1000, 4128, 3, splits=splits)["splits"] == splits
     for bits, dtype in ((3, torch.float16), (5, torch.bfloat16)):
         check(m, 1000, 4128, bits, dtype, bias=True, splits=splits)
+
+
+@pytest.mark.parametrize("m", [17, 64, 128])
+def test_forced_splits_16(m):
+    # the largest cluster (16 CTAs, non-portable): K = 2048, 32 K-tiles in chunks of two
+    assert plan(m, 1000, 2048, 4, splits=16)["splits"] == 16
+    for bits, dtype in ((4, torch.float16), (2, torch.bfloat16)):
+        check(m, 1000, 2048, bits, dtype, bias=True, splits=16)
 
 
 @pytest.mark.parametrize("m", [16, 33, 64])
@@ -117,6 +126,9 @@ def test_row_split_plan():
 def test_plans_use_split_k_and_not():
     assert plan(64, 4096, 4096, 4)["splits"] > 1          # 16 CTAs without splitting
     assert plan(64, 57344, 8192, 4)["splits"] == 1        # 224 CTAs already
+    # clusters past 8 CTAs (non-portable) only where each CTA keeps >= 16 K-tiles
+    assert 8 < plan(32, 4096, 14336, 4)["splits"] <= 14
+    assert plan(64, 4096, 4096, 4)["splits"] <= 8
     assert plan(64, 57344, 8192, 4)["cols"] == 256  # 512-column CTAs only when forced
     assert plan(16, 57344, 8192, 4)["cols"] == 256
     assert plan(17, 4096, 4096, 4)["tile_m"] == 32 and plan(16, 4096, 4096, 4)["tile_m"] == 16
@@ -126,7 +138,9 @@ def test_plans_use_split_k_and_not():
 def test_spread_launch(monkeypatch):
     # A grid of at most one CTA per SM is launched with half an SM's shared memory, so the
     # cluster scheduler cannot pack two CTAs on one SM (kbit_wgmma.cuh, choose_splits); results
-    # must not depend on it.
+    # must not depend on it. Portable cluster sizes only: with K = 14336 the plan would take
+    # a packed 12-CTA cluster instead.
+    monkeypatch.setenv("KBIT_WGMMA_MAX_SPLITS", "8")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     n = 64 * 4 * (sms // 8)  # sms // 8 column groups: eight K-splits fill the SMs once
     p = plan(64, n, 14336, 4)

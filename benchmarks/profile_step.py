@@ -1,0 +1,112 @@
+"""Where a vLLM generate's GPU time goes: one generate of bs prompts (128 tokens -> 256), the
+engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that torch.profiler sees its kernels
+(CUPTI traces the kernels inside CUDA graphs one by one), Llama-3-8B shape, dummy weights.
+
+  python3 benchmarks/profile_step.py --config kbit4 --bs 1,16 --out DIR     # or --config bf16
+Prints per batch size: wall time, kernel span, GPU busy (union of kernel intervals), kernel
+time by class (us/step = / 256) and the top kernels; writes DIR/profile_CONFIG.json.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e.py's model folder
+
+import torch  # noqa: E402
+
+
+def classify(name):
+    n = name.lower()
+    if "kbit" in n:
+        return "kbit:" + ("gemv" if "gemv" in n else "wgmma" if "wgmma" in n else "dequant" if "dequant" in n else "other")
+    for key, cls in (("flash", "attention"), ("attn", "attention"), ("paged", "attention"), ("reshape_and_cache", "kv-write"),
+                     ("rms", "norm"), ("norm", "norm"), ("rotary", "rope"), ("rope", "rope"), ("silu", "act"),
+                     ("act_and_mul", "act"), ("nvjet", "cublas"), ("gemm", "cublas"), ("sm90_xmma", "cublas"),
+                     ("cutlass", "cublas"), ("sampl", "sampling"), ("topk", "sampling"), ("argmax", "sampling"),
+                     ("softmax", "sampling"), ("triton", "triton"), ("elementwise", "elementwise"),
+                     ("reduce", "reduce"), ("copy", "copy"), ("memset", "memset"), ("index", "index"), ("cat", "copy")):
+        if key in n:
+            return cls
+    return "other"
+
+
+def summarize(events, wall):
+    ks = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e, _ in ks:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    by_cls, by_name = {}, {}
+    for s, e, n in ks:
+        c = classify(n)
+        by_cls[c] = by_cls.get(c, 0.0) + (e - s)
+        a = by_name.setdefault(n[:90], [0, 0.0])
+        a[0] += 1
+        a[1] += e - s
+    span = (ks[-1][1] - ks[0][0]) if ks else 0.0
+    return {"wall_s": wall, "kernel_span_us": span, "gpu_busy_us": busy, "kernels": len(ks),
+            "sum_kernel_us": sum(e - s for s, e, _ in ks), "by_class_us": dict(sorted(by_cls.items(), key=lambda kv: -kv[1])),
+            "top": sorted(([k, v[0], v[1]] for k, v in by_name.items()), key=lambda r: -r[2])[:30]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="kbit4")
+    ap.add_argument("--bs", default="1,16")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/e2e"))
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    from e2e import LLAMA3_8B, write_model_dir
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    import numpy as np
+
+    model = write_model_dir(args.workdir / "llama-8b", LLAMA3_8B)
+    kw = dict(model=str(model), max_model_len=1024, gpu_memory_utilization=0.85, seed=0, enable_prefix_caching=False,
+              load_format="dummy", max_num_seqs=256)
+    if args.config.startswith("kbit"):
+        kw["quantization"] = "kbit"
+        kw["hf_overrides"] = {"quantization_config": {"quant_method": "kbit", "bits": int(args.config[4])}}
+    llm = LLM(**kw)
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0.0)
+    res = {}
+    for bs in [int(b) for b in args.bs.split(",")]:
+        batch = [TokensPrompt(prompt_token_ids=rng.integers(0, 10000, 128).tolist()) for _ in range(bs)]
+        llm.generate(batch, sp, use_tqdm=False)
+        t = time.perf_counter()
+        llm.generate(batch, sp, use_tqdm=False)
+        plain = time.perf_counter() - t
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            llm.generate(batch, sp, use_tqdm=False)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        trace = args.out / f"trace_{args.config}_bs{bs}.json"
+        prof.export_chrome_trace(str(trace))
+        ev = [e for e in json.load(open(trace))["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
+        trace.unlink()
+        s = summarize(ev, wall)
+        s["wall_unprofiled_s"] = plain
+        res[f"bs{bs}"] = s
+        print(f"== {args.config} bs={bs}: wall {plain:.3f} s (profiled {wall:.3f}), kernel span {s['kernel_span_us']/1e3:.1f} ms, "
+              f"GPU busy {s['gpu_busy_us']/1e3:.1f} ms, {s['kernels']} kernels", flush=True)
+        for c, us in s["by_class_us"].items():
+            print(f"   {c:16s} {us/1e3:8.1f} ms  {us/256:8.1f} us/step", flush=True)
+        for n, cnt, us in s["top"][:14]:
+            print(f"   {us/1e3:8.1f} ms {cnt:7d}x  {n}", flush=True)
+    (args.out / f"profile_{args.config}.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
