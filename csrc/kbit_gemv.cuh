@@ -269,6 +269,8 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
 // against packed (KBIT_GEMV_WIDE_LUT=0), same call, H200, c07121f: K=4 2359 / 2417 against
 // 2301 / 2359 us, K=3 2326 / 2331 against 2363 / 2366.
 // KBIT_GEMV_WIDE_LUT=0 (read once) takes the packed table everywhere (A/B).
+// (Measured again at aa0a655, the same way: K=4 down 18.1 against 17.1 us at M = 12, the step
+// +2%.) The x-resident kernels do take the wide rows (launch_xr).
 template <int BITS, int MT, int W> constexpr bool wide_lut() {
   return Traits<BITS>::kLutEntries > 0 && min_blocks<MT, W>() == 1 && kLutReplicas == 32 &&
          !(BITS == 4 && MT == 2 && W == kWideWarps);
@@ -316,15 +318,17 @@ template <int BITS, int MT, int W, bool kWide, bool kXs, int G = 0> struct Smem 
   static constexpr int kPart = kLutBytes > kRedBytes ? kLutBytes : kRedBytes;  // from the table's start
   static constexpr int kPartBytes = (G > 0 ? G : 1) * kAcc * 32 * 4;
   static constexpr int kXSlot = 8 * MT * kXRowBytes;                   // one unit's x rows
-  static constexpr int kXRing = !kXs ? 0 : G > 0 ? xr_max_units(MT) * kXSlot : W * stages<BITS, kXs>() * kXSlot;
   static constexpr int kPad = kWide ? 65536 - 16 : 0;
+  // x resident: units of K a CTA can hold (with the wide table, what its padding and 64 KB leave)
+  static constexpr int kXrUnits = !kWide ? xr_max_units(MT) : (227 * 1024 - kPad - kPart) / kXSlot;
+  static constexpr int kXRing = !kXs ? 0 : G > 0 ? kXrUnits * kXSlot : W * stages<BITS, kXs>() * kXSlot;
   // the region after the table / scratch holds `x_bytes` of x, then the partial sums
   static constexpr int with_x(int x_bytes) { return kPad + kPart + (x_bytes > kPartBytes ? x_bytes : kPartBytes); }
   static constexpr int kBytes = with_x(kXRing);
   static constexpr int bytes(int chunk) { return G > 0 ? with_x(chunk * kXSlot) : kBytes; }
   static_assert(kWide || kXs || kBytes <= 48 * 1024, "fits without the dynamic shared memory opt-in");
   static_assert(kPart % 16 == 0 && kXSlot % 16 == 0, "cp.async and ldmatrix need 16-byte aligned rows");
-  static_assert(G == 0 || (kXs && !kWide && W % (G > 0 ? G : 1) == 0), "x resident: the packed table, whole warps per slab");
+  static_assert(G == 0 || (kXs && W % (G > 0 ? G : 1) == 0), "x resident: whole warps per slab");
   static_assert(kBytes <= 227 * 1024, "one CTA per SM on sm_90");
 };
 
@@ -502,7 +506,7 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
     const cudaError_t e = opt_in_smem<kernel>(S::kBytes);
     if (e != cudaSuccess) return e;
   }
-  if (G > 0 && p.chunk > xr_max_units(MT)) return cudaErrorInvalidValue;  // the plan never asks
+  if (G > 0 && p.chunk > S::kXrUnits) return cudaErrorInvalidValue;  // the plan never asks
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(div_up(n_units(p.n), G > 0 ? G : 1), splits, 1);
   cfg.blockDim = dim3(W * 32, 1, 1);
@@ -538,9 +542,26 @@ cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
   return launch_t<BITS, MT, T, W, false, kXs>(p, splits, stream);
 }
 
-// x resident: 16-warp CTAs of `slabs` (one of kXrSlabs) slabs, the packed table.
+// x resident: 16-warp CTAs of `slabs` (one of kXrSlabs) slabs. K=3,4 with 4 or 16 slabs read
+// the wide-row table where the CTA's K range fits beside it (Smem::kXrUnits: 44 units at
+// M > 8, 88 at M <= 8, against 72 / 144 with the packed table). Against the packed table
+// (KBIT_GEMV_XR_WIDE=0, which keeps it here alone; alternated twice in one call, H200,
+// bench_gemv_xr_wide_aa0a655.json): the 8B decode step at K=4 M = 12 / 16 2035 / 2053 against
+// 2104 / 2118 us (gate_up: 16 slabs, 16 units a CTA, 26.9 / 27.0 against 28.8 / 29.0), at K=3
+// M = 6 / 8 -2..-3%; single kernels at K=4 M = 16 -5..-7% on 18944x3584, 22016x4096,
+// 27648x5120, 28672x4096, 37888x3584; K=3 128256x4096 at M = 1 77.4 against 84.1 us; nothing
+// slower beyond 1%. KBIT_GEMV_WIDE_LUT=0 keeps the packed table too (everywhere; same bits).
 template <int BITS, int MT, typename T>
 cudaError_t launch_xr(const Params& p, int splits, int slabs, cudaStream_t stream) {
+  if constexpr (Traits<BITS>::kLutEntries > 0) {
+    static const bool wide = !env_off("KBIT_GEMV_XR_WIDE") && !env_off("KBIT_GEMV_WIDE_LUT");
+    if (wide && device_fits<Smem<BITS, MT, kWideWarps, true, true, 16>>()) {
+      if (slabs == 16 && p.chunk <= Smem<BITS, MT, kWideWarps, true, true, 16>::kXrUnits)
+        return launch_t<BITS, MT, T, kWideWarps, true, true, 16>(p, splits, stream);
+      if (slabs == 4 && p.chunk <= Smem<BITS, MT, kWideWarps, true, true, 4>::kXrUnits)
+        return launch_t<BITS, MT, T, kWideWarps, true, true, 4>(p, splits, stream);
+    }
+  }
   switch (slabs) {
     case 2: return launch_t<BITS, MT, T, kWideWarps, false, true, 2>(p, splits, stream);
     case 4: return launch_t<BITS, MT, T, kWideWarps, false, true, 4>(p, splits, stream);

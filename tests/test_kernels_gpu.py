@@ -220,7 +220,8 @@ torch.save(out, sys.argv[1])
 
 GEMV_VARIANTS = (("default", {}), ("packed", {"KBIT_GEMV_WIDE_LUT": "0"}),
                  ("x_regs", {"KBIT_GEMV_XRES": "0", "KBIT_GEMV_XSMEM": "0"}), ("x_ring", {"KBIT_GEMV_XRES": "0"}),
-                 *((f"x_resident_{g}", {"KBIT_GEMV_XR_SLABS": str(g)}) for g in (2, 4, 16)))
+                 *((f"x_resident_{g}", {"KBIT_GEMV_XR_SLABS": str(g)}) for g in (2, 4, 16)),
+                 *((f"x_resident_{g}_packed", {"KBIT_GEMV_XR_SLABS": str(g), "KBIT_GEMV_WIDE_LUT": "0"}) for g in (4, 16)))
 
 
 def test_gemv_variants(tmp_path):
@@ -231,7 +232,8 @@ def test_gemv_variants(tmp_path):
     resident (KBIT_GEMV_XRES=0), and x resident with 2, 4 and 16 slabs per CTA
     (KBIT_GEMV_XR_SLABS; other summation orders) must each meet the float64 reference like the
     default. The switches are read once per process: one subprocess each, three shapes, K = 2..5,
-    M = 1, 13 (rows past M zero-filled), 16."""
+    M = 1, 13 (rows past M zero-filled), 16. x resident in 4 or 16 slabs reads the wide-row table
+    where the K range fits beside it (K=3,4): bit-identical to the packed table's results too."""
     outs = {}
     for name, env in GEMV_VARIANTS:
         f = tmp_path / f"{name}.pt"
@@ -242,6 +244,8 @@ def test_gemv_variants(tmp_path):
     for i in range(36):
         y, ref = outs["default"][i]
         assert torch.equal(outs["packed"][i][0], y), i
+        for g in (4, 16):
+            assert torch.equal(outs[f"x_resident_{g}_packed"][i][0], outs[f"x_resident_{g}"][i][0]), (g, i)
         for name, _ in GEMV_VARIANTS:
             y = outs[name][i][0]
             assert torch.isfinite(y).all(), (name, i)
