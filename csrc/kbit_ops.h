@@ -144,7 +144,8 @@ size_t mma_workspace_bytes(int m, int n, int k, int bits, int num_sms);
 // K=2..4 keep wgmma up to 1023 rows.
 // wgmma_supported(): this build has sm_90a code and the current device is compute 9.0.
 // `splits` = 0 picks the split-K factor (a thread-block cluster along K, no workspace);
-// 1..16 forces it (9..16: non-portable cluster sizes). Returns cudaErrorNotSupported where wgmma_supported() is false.
+// 1..16 forces it (9..16: non-portable cluster sizes). Returns cudaErrorNotSupported where
+// wgmma_supported() is false.
 constexpr int kWgmmaMaxM = 1023;
 constexpr int kWgmmaMaxMK5 = 512;
 inline int wgmma_max_m(int bits) { return bits == 5 ? kWgmmaMaxMK5 : kWgmmaMaxM; }

@@ -621,6 +621,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
 struct Occupancy {
   int per_sm = 1;
   int spread_bytes = 0;
+  int max_splits = 8;                    // 16 where the device allows non-portable cluster sizes
   int clusters[kMaxSplits + 1][2] = {};  // [s][spread]; 0 = the API gave no answer
 };
 
@@ -635,7 +636,8 @@ template <int BITS, int MT, int CN, int R, typename T> const Occupancy& occupanc
     // two CTAs need 2 x (bytes + 1 KB reserved) <= the SM's shared memory: half of it is too much
     o.spread_bytes = C::kBytes > smem_sm / 2 ? C::kBytes : smem_sm / 2;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, o.spread_bytes);
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess)
+      o.max_splits = kMaxSplits;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, C::kThreads, C::kBytes) == cudaSuccess && b > 0)
       o.per_sm = b;
     for (int s = 1; s <= kMaxSplits; ++s)
@@ -737,7 +739,7 @@ constexpr int kBigClusterChunk = 16;
 inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& occ) {
   constexpr int kAlone = 10, kShared = 17, kFixed = 3 * kAlone;
   const int cap = env_int("KBIT_WGMMA_MAX_SPLITS", kMaxSplits);  // tuning: 8 = portable sizes only
-  const int max_s = cap < 1 ? 1 : cap > kMaxSplits ? kMaxSplits : cap;
+  const int max_s = cap < 1 ? 1 : cap > occ.max_splits ? occ.max_splits : cap;
   int best = 1;
   long long best_cost = -1;
   for (int s = 1; s <= max_s && s <= ku; ++s) {
@@ -827,7 +829,8 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
   // the split from R = 1's occupancy at MT <= 32 (the same two CTAs per SM as R = 2)
   const int rs_split = cn == 512 || mt <= 32 ? 1 : 2;
   int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, num_sms, occupancy_for<BITS, T>(mt, cn, rs_split));
-  s = s < 1 ? 1 : s > kMaxSplits ? kMaxSplits : s > p.ku_count ? p.ku_count : s;
+  const int s_cap = occupancy_for<BITS, T>(mt, cn, rs_split).max_splits;
+  s = s < 1 ? 1 : s > s_cap ? s_cap : s > p.ku_count ? p.ku_count : s;
   p.chunk = div_up(p.ku_count, s);
   s = div_up(p.ku_count, p.chunk);  // no empty CTA
   int rs = cn == 512 || mt == 16 ? 1 : mt >= 64 || p.chunk <= kShortChunk ? 2 : 1;

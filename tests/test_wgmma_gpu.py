@@ -126,8 +126,10 @@ def test_row_split_plan():
 def test_plans_use_split_k_and_not():
     assert plan(64, 4096, 4096, 4)["splits"] > 1          # 16 CTAs without splitting
     assert plan(64, 57344, 8192, 4)["splits"] == 1        # 224 CTAs already
-    # clusters past 8 CTAs (non-portable) only where each CTA keeps >= 16 K-tiles
-    assert 8 < plan(32, 4096, 14336, 4)["splits"] <= 14
+    # clusters past 8 CTAs (non-portable) only where each CTA keeps >= 16 K-tiles (the pick
+    # past 8 is the H200's: 12 of 224 K-tiles)
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert 8 < plan(32, 4096, 14336, 4)["splits"] <= 14
     assert plan(64, 4096, 4096, 4)["splits"] <= 8
     assert plan(64, 57344, 8192, 4)["cols"] == 256  # 512-column CTAs only when forced
     assert plan(16, 57344, 8192, 4)["cols"] == 256
