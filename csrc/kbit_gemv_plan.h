@@ -88,13 +88,23 @@ inline double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int wa
 // cluster of four, is what won: 28672x4096 at M = 12 / 16 28.5 / 28.8 us against the plan's
 // G = 4, S = 1 31.5 / 31.9 (M = 4 / 8: 23.1 / 23.3 against 25.1 / 26.8, which the model does
 // not see; bench_decode_gemv_xr_g16s4_dfc970f.json), and in two or more waves it lost
-// (128256x4096 at M = 16 140 against 99 us). K=2 and K=3 lost with it (28672x4096 at M = 11 /
-// 12 / 16: K=2 29.0 / 29.1 / 29.1 against 27.7 / 27.9 / 28.7 us, K=3 31.7 / 31.8 / 31.7 against
-// 30.8 / 30.8 / 31.4; K=5 -1-2%). At K=4 the ranking gives G = 16, S = 4 a 0.9 unit cost
+// (128256x4096 at M = 16 140 against 99 us). K=2 loses with it (28672x4096 at M = 11 / 12 / 16:
+// 29.0 / 29.1 / 29.1 against 27.7 / 27.9 / 28.7 us; K=5 -1-2%). K=3 lost too (31.7 / 31.8 / 31.7
+// against 30.8 / 30.8 / 31.4) until the x-resident kernels read the wide-row table (0af1424);
+// since then it wins (kS4MinBits): 27648x5120 at M = 9..16 38.2-38.8 against 43.5-45.9 us,
+// 28672x4096 and 22016x4096 at M = 11..16 -2..-3.5%, the 8B step at M = 11 / 12 / 16 -0.8 / -1.7 /
+// -2.5% (bench_gemv_k3_s4_d372645.json, against a build with KBIT_GEMV_DEV_NO_K3S4, same call). At K=4 the ranking gives G = 16, S = 4 a 0.9 unit cost
 // (kS4Unit), which takes it from M = 6 on 28672x4096 and layers like it: gate_up 23.3 / 23.4 /
 // 28.5 us at M = 6 / 8 / 10 against G = 4's 26.6 / 26.8 / 30.8 (bench_decode_gemv_s4_rank_f0b76b0.json).
 // `forced_s` > 0 fixes S, `forced_g` > 0 G. G = 0 where no K range fits.
 constexpr int kS4Min = 8;
+// the smallest bit width that takes S = 4 (above); KBIT_GEMV_DEV_NO_K3S4 (probe builds, A/B):
+// K=3 out, the plan before bench_gemv_k3_s4_d372645.json
+#ifdef KBIT_GEMV_DEV_NO_K3S4
+constexpr int kS4MinBits = 4;
+#else
+constexpr int kS4MinBits = 3;
+#endif
 struct XrPlan {
   int splits, slabs;
   double cost, rank;  // the model's lowest cost over the candidates; this one's rank (kS4Unit)
@@ -110,7 +120,7 @@ inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, int forced
       const int chunk = div_up(ku, s), se = div_up(ku, chunk);
       if (chunk > max_units) continue;
       if (forced_s <= 0 && se > 2 &&
-          (se != 4 || bits < 4 || chunk < kS4Min || (long long)div_up(nu, g) * se > num_sms))
+          (se != 4 || bits < kS4MinBits || chunk < kS4Min || (long long)div_up(nu, g) * se > num_sms))
         continue;
       const double cost = plan_cost(m, nu, ku, num_sms, se, g, kWideWarps, 1);
       const double rank = plan_cost(m, nu, ku, num_sms, se, g, kWideWarps, 1, bits == 4);

@@ -254,7 +254,7 @@ def test_gemv_variants(tmp_path):
 
 _GEMV_XR_SPLITS = _SCRIPT_PRELUDE + r"""
 # x resident with G = $KBIT_GEMV_XR_SLABS slabs per CTA and every split S = 1..4 (clusters of S
-# along K; G = 16, S = 4 is what the plan takes for 28672x4096 from M = 6 at K=4, M = 11 at K=5), fp16 and
+# along K; G = 16, S = 4 is what the plan takes for 28672x4096 from M = 6 at K=4, M = 11 at K = 3, 5), fp16 and
 # bf16, M = 1, 13, 16.
 out = []
 for n, k in ((1000, 2080), (12800, 2080)):
@@ -293,7 +293,7 @@ def test_gemv_wide_layer_plan(dtype, bits):
     """28672x4096 (Llama-3-8B's gate_up, 448 slabs) through the op's own dispatch at every M the
     GEMV's plans differ on (on an H200, tests/cpp/gemv_plan_test.cu pins which): classic 4-warp
     CTAs, x resident in CTAs of four slabs, and of sixteen slabs in clusters of four (from M = 6
-    at K=4, M = 11 at K=5)."""
+    at K=4, M = 11 at K = 3, 5)."""
     for m in (1, 4, 6, 8, 9, 11, 12, 16):
         _check_gemm(28672, 4096, bits, dtype, m, bias=bool(m % 2))
 
