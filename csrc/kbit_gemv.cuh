@@ -542,30 +542,32 @@ cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
   return launch_t<BITS, MT, T, W, false, kXs>(p, splits, stream);
 }
 
-// x resident: 16-warp CTAs of `slabs` (one of kXrSlabs) slabs. K=3,4 with 4 or 16 slabs read
-// the wide-row table where the CTA's K range fits beside it (Smem::kXrUnits: 44 units at
-// M > 8, 88 at M <= 8, against 72 / 144 with the packed table). Against the packed table
+// x resident: 16-warp CTAs of G slabs (one of kXrSlabs). K=3,4 with 4 or 16 slabs read the
+// wide-row table where the CTA's K range fits beside it (Smem::kXrUnits: 44 units at M > 8, 88
+// at M <= 8, against 72 / 144 with the packed table). Against the packed table
 // (KBIT_GEMV_XR_WIDE=0, which keeps it here alone; alternated twice in one call, H200,
 // bench_gemv_xr_wide_aa0a655.json): the 8B decode step at K=4 M = 12 / 16 2035 / 2053 against
 // 2104 / 2118 us (gate_up: 16 slabs, 16 units a CTA, 26.9 / 27.0 against 28.8 / 29.0), at K=3
 // M = 6 / 8 -2..-3%; single kernels at K=4 M = 16 -5..-7% on 18944x3584, 22016x4096,
 // 27648x5120, 28672x4096, 37888x3584; K=3 128256x4096 at M = 1 77.4 against 84.1 us; nothing
 // slower beyond 1%. KBIT_GEMV_WIDE_LUT=0 keeps the packed table too (everywhere; same bits).
+template <int BITS, int MT, typename T, int G>
+cudaError_t launch_xr_g(const Params& p, int splits, cudaStream_t stream) {
+  if constexpr (Traits<BITS>::kLutEntries > 0 && G != 2) {  // (G = 2 with the wide rows: not measured)
+    using Wide = Smem<BITS, MT, kWideWarps, true, true, G>;
+    static const bool wide = !env_off("KBIT_GEMV_XR_WIDE") && !env_off("KBIT_GEMV_WIDE_LUT");
+    if (wide && p.chunk <= Wide::kXrUnits && device_fits<Wide>())
+      return launch_t<BITS, MT, T, kWideWarps, true, true, G>(p, splits, stream);
+  }
+  return launch_t<BITS, MT, T, kWideWarps, false, true, G>(p, splits, stream);
+}
+
 template <int BITS, int MT, typename T>
 cudaError_t launch_xr(const Params& p, int splits, int slabs, cudaStream_t stream) {
-  if constexpr (Traits<BITS>::kLutEntries > 0) {
-    static const bool wide = !env_off("KBIT_GEMV_XR_WIDE") && !env_off("KBIT_GEMV_WIDE_LUT");
-    if (wide && device_fits<Smem<BITS, MT, kWideWarps, true, true, 16>>()) {
-      if (slabs == 16 && p.chunk <= Smem<BITS, MT, kWideWarps, true, true, 16>::kXrUnits)
-        return launch_t<BITS, MT, T, kWideWarps, true, true, 16>(p, splits, stream);
-      if (slabs == 4 && p.chunk <= Smem<BITS, MT, kWideWarps, true, true, 4>::kXrUnits)
-        return launch_t<BITS, MT, T, kWideWarps, true, true, 4>(p, splits, stream);
-    }
-  }
   switch (slabs) {
-    case 2: return launch_t<BITS, MT, T, kWideWarps, false, true, 2>(p, splits, stream);
-    case 4: return launch_t<BITS, MT, T, kWideWarps, false, true, 4>(p, splits, stream);
-    case 16: return launch_t<BITS, MT, T, kWideWarps, false, true, 16>(p, splits, stream);
+    case 2: return launch_xr_g<BITS, MT, T, 2>(p, splits, stream);
+    case 4: return launch_xr_g<BITS, MT, T, 4>(p, splits, stream);
+    case 16: return launch_xr_g<BITS, MT, T, 16>(p, splits, stream);
   }
   return cudaErrorInvalidValue;
 }

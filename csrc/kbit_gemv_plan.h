@@ -81,8 +81,9 @@ inline double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int wa
 
 // x resident (kbit_gemv.cuh, kXrSlabs): slabs per CTA G and split S for 16-warp CTAs, one per
 // SM, by plan_cost; ties go to the larger G (less x), then the smaller S. S <= 2, but for
-// S = 4 at G = 16 in one wave with >= 8 units a warp (kS4Min), K >= 4. x resident with S = 4 and
-// several warps per slab took twice the time of the ring on 4096x4096 and 4096x14336 (G = 2:
+// S = 4 at G = 16 in one wave with >= 8 units a warp (kS4Min), K >= 3 (kS4MinBits). x resident
+// with S = 4 and several warps per slab took twice the time of the ring on 4096x4096 and
+// 4096x14336 (G = 2:
 // 15.3 / 31.6 against 9.1 / 17.8 us in the 8B decode step at M = 12, H200; G = 4 on qkv / o
 // at M = 1..16 1.1-1.4x); one warp per slab (G = 16), each streaming its slab's K range of a
 // cluster of four, is what won: 28672x4096 at M = 12 / 16 28.5 / 28.8 us against the plan's
@@ -92,10 +93,11 @@ inline double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int wa
 // 29.0 / 29.1 / 29.1 against 27.7 / 27.9 / 28.7 us; K=5 -1-2%). K=3 lost too (31.7 / 31.8 / 31.7
 // against 30.8 / 30.8 / 31.4) until the x-resident kernels read the wide-row table (0af1424);
 // since then it wins (kS4MinBits): 27648x5120 at M = 9..16 38.2-38.8 against 43.5-45.9 us,
-// 28672x4096 and 22016x4096 at M = 11..16 -2..-3.5%, the 8B step at M = 11 / 12 / 16 -0.8 / -1.7 /
-// -2.5% (bench_gemv_k3_s4_d372645.json, against a build with KBIT_GEMV_DEV_NO_K3S4, same call). At K=4 the ranking gives G = 16, S = 4 a 0.9 unit cost
-// (kS4Unit), which takes it from M = 6 on 28672x4096 and layers like it: gate_up 23.3 / 23.4 /
-// 28.5 us at M = 6 / 8 / 10 against G = 4's 26.6 / 26.8 / 30.8 (bench_decode_gemv_s4_rank_f0b76b0.json).
+// 28672x4096 and 22016x4096 at M = 11..16 -2..-3.5%, the 8B step at M = 11 / 12 / 16 -0.8 /
+// -1.7 / -2.5% (bench_gemv_k3_s4_d372645.json, against a build with KBIT_GEMV_DEV_NO_K3S4,
+// same call). At K=4 the ranking gives G = 16, S = 4 a 0.9 unit cost (kS4Unit), which takes it
+// from M = 6 on 28672x4096 and layers like it: gate_up 23.3 / 23.4 / 28.5 us at M = 6 / 8 / 10
+// against G = 4's 26.6 / 26.8 / 30.8 (bench_decode_gemv_s4_rank_f0b76b0.json).
 // `forced_s` > 0 fixes S, `forced_g` > 0 G. G = 0 where no K range fits.
 constexpr int kS4Min = 8;
 // the smallest bit width that takes S = 4 (above); KBIT_GEMV_DEV_NO_K3S4 (probe builds, A/B):

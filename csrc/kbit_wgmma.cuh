@@ -820,7 +820,8 @@ constexpr int kShortChunk = 48;
 //
 // The plan of one call: [tile_m, splits, grid x (splits), grid y (token tiles), grid z
 // (column groups), columns per CTA, CTAs per SM the launch allows (1 when spread), row split].
-// `splits` > 0 forces the split factor (clamped to 1..min(8, K-tiles)).
+// `splits` > 0 forces the split factor (clamped to 1..min(the device's largest cluster: 16, or 8
+// without non-portable sizes; K-tiles)).
 template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, int* out) {
   const int mt = tile_m(p.m);
   const int gz = div_up(p.m, mt);
@@ -828,9 +829,9 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
   const int gy = div_up(n_units(p.n), cn / kUnitN);
   // the split from R = 1's occupancy at MT <= 32 (the same two CTAs per SM as R = 2)
   const int rs_split = cn == 512 || mt <= 32 ? 1 : 2;
-  int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, num_sms, occupancy_for<BITS, T>(mt, cn, rs_split));
-  const int s_cap = occupancy_for<BITS, T>(mt, cn, rs_split).max_splits;
-  s = s < 1 ? 1 : s > s_cap ? s_cap : s > p.ku_count ? p.ku_count : s;
+  const Occupancy& occ_split = occupancy_for<BITS, T>(mt, cn, rs_split);
+  int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, num_sms, occ_split);
+  s = s < 1 ? 1 : s > occ_split.max_splits ? occ_split.max_splits : s > p.ku_count ? p.ku_count : s;
   p.chunk = div_up(p.ku_count, s);
   s = div_up(p.ku_count, p.chunk);  // no empty CTA
   int rs = cn == 512 || mt == 16 ? 1 : mt >= 64 || p.chunk <= kShortChunk ? 2 : 1;
