@@ -203,6 +203,10 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
       }
       const uint32_t u0 = L[0], u1 = Traits<BITS>::kCrumbPairs ? L[1] : L[2];
       const uint32_t v0 = Traits<BITS>::kCrumbPairs ? L[2] : L[1], v1 = L[3];
+#ifdef KBIT_GEMV_DEV_NOXPERM  // probe (wrong results): what the x permutation costs
+      bx[mt][0][0] = u0, bx[mt][0][1] = u1, bx[mt][1][0] = v0, bx[mt][1][1] = v1;
+      continue;
+#endif
       bx[mt][0][0] = prmt(u0, u1, 0x5410);
       bx[mt][0][1] = prmt(u0, u1, 0x7632);
       bx[mt][1][0] = prmt(v0, v1, 0x5410);

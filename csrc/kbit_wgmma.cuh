@@ -316,6 +316,10 @@ __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint
     const uint32_t a[2][4] = {{a0[0], a0[1], a0[2], a0[3]}, {a1[0], a1[1], a1[2], a1[3]}};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // rows g (fragment registers 0, 2) and g + 8 (1, 3)
+#ifdef KBIT_WG_DEV_NOREGROUP  // probe (wrong results): what the regroup PRMTs cost
+      A[qp][0][r] = a[r][0], A[qp][0][2 + r] = a[r][2], A[qp][1][r] = a[r][1], A[qp][1][2 + r] = a[r][3];
+      continue;
+#endif
       if constexpr (kCrumb) {
         A[qp][0][r] = prmt(a[r][0], a[r][1], 0x5410);
         A[qp][0][2 + r] = prmt(a[r][0], a[r][1], 0x7632);

@@ -1,5 +1,5 @@
 """Probe variants of the wgmma kernel (csrc/kbit_wgmma.cuh) without the torch extension: each
-variant is a -D flag set (KBIT_WG_DEV_*: NODECODE, NOMMA, NOX, NOSYNC, STAGES=n, LUTREP=n, WATCHDOG;
+variant is a -D flag set (KBIT_WG_DEV_*: NODECODE, NOREGROUP, NOMMA, NOX, NOSYNC, STAGES=n, LUTREP=n, WATCHDOG;
 NOPRODUCER, NOWIDELUT: the kernel before the producer warpgroup and the wide table at MT = 128),
 built with nvcc into its own shared library (in parallel) and timed through ctypes on K=4
 fp16, L2 flushed, median. Answers "where does the time go" in one device call. Every variant
