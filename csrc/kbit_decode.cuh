@@ -104,8 +104,9 @@ __device__ __forceinline__ uint32_t comp(const uint4& v, int i) {
 
 // Nibble word N_s (s = 0..3) of one lane's word position: nibble m holds the low (up to 4)
 // index bits of the element at bit 4m + s of the plane words (bit 4m + b of N_s = bit 4m + s
-// of plane b: a transpose of 4x4 bit blocks, 2 ops per plane). K=4's tiled layout stores
-// N_0..N_3 in place of the planes (kbit_layout.cuh), so for K=4 this is a register move.
+// of plane b: a transpose of 4x4 bit blocks, 2 ops per plane). The tiled layout stores them
+// (kbit_layout.cuh, slot_form): a register move at K = 4, 5, one AND at K=3 (N_3: five ops);
+// only K=2 keeps planes and transposes here (its Decoder reads crumbs instead).
 template <int BITS>
 __device__ __forceinline__ uint32_t transpose_nibbles(const uint32_t (&p)[BITS], int s) {
   constexpr int kLow = BITS < 4 ? BITS : 4;
@@ -119,8 +120,13 @@ __device__ __forceinline__ uint32_t transpose_nibbles(const uint32_t (&p)[BITS],
 }
 template <int BITS>
 __device__ __forceinline__ uint32_t nibble_word(const uint32_t (&p)[BITS], int s) {
-  if constexpr (layout_stores_nibbles(BITS)) {
+  constexpr SlotForm kForm = slot_form(BITS);
+  if constexpr (kForm == SlotForm::kNibbles || kForm == SlotForm::kNibblesPlane4) {
     return p[s];
+  } else if constexpr (kForm == SlotForm::kPackedNibbles) {
+    // slot b: N_b in bits 4m..4m+2, bit 4m + b of N_3 in bit 4m + 3
+    if (s == 3) return ((p[0] >> 3) & 0x11111111u) | ((p[1] >> 2) & 0x22222222u) | ((p[2] >> 1) & 0x44444444u);
+    return p[s % 3] & 0x77777777u;
   } else {
     return transpose_nibbles<BITS>(p, s);
   }
@@ -129,7 +135,7 @@ __device__ __forceinline__ uint32_t nibble_word(const uint32_t (&p)[BITS], int s
 // The layout words of one word position for all planes -> index words (the mma.sync kernel).
 // BITS <= 4: v[e'] (e' = 0..3) = N_e' holds, in nibble 2q+h, the index of the weight at bit
 //   e = 4h + e' of byte q (n8 group q of the word, k16 step parity h).
-// BITS == 5: v[e] (e = 0..7) holds in byte q the index of bit e of byte q.
+// BITS == 5: v[e] (e = 0..7) holds in byte q the index of element e of byte q.
 template <int BITS>
 struct IndexWords {
   static constexpr int kN = BITS <= 4 ? 4 : 8;
@@ -139,17 +145,11 @@ struct IndexWords {
 #pragma unroll
       for (int e = 0; e < 4; ++e) v[e] = nibble_word<BITS>(pl, e);
     } else {
+      // element e of byte q: low four bits in nibble 2q + (e >> 2) of N_(e & 3), bit 4 in bit
+      // 8q + e of plane 4 (slot_form kNibblesPlane4)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        uint32_t acc = (pl[0] >> e) & 0x01010101u;
-#pragma unroll
-        for (int b = 1; b < BITS; ++b) {
-          // bit e of each byte field -> bit b of that field
-          const uint32_t moved = (e >= b) ? (pl[b] >> (e - b)) : (pl[b] << (b - e));
-          acc |= moved & (0x01010101u << b);
-        }
-        v[e] = acc;
-      }
+      for (int e = 0; e < 8; ++e)
+        v[e] = ((e < 4 ? pl[e & 3] : pl[e & 3] >> 4) & 0x0F0F0F0Fu) | (((pl[4] >> e) & 0x01010101u) << 4);
     }
   }
   // Source lane for the weight at bit e = 4h + ep of byte q; only bits [4:0] matter to shfl

@@ -53,7 +53,7 @@
 // a 10% margin (kbit_gemv_plan.h: 28672x4096 from M = 6, the larger ones from M = 1 or 2): M = 8 step
 // 2053 -> 1964 us, 128256x4096 at M = 1 99.7 -> 88.0 us.
 // Next: the ~5 us fixed cost per call on the small layers (a per-CTA trace, docs/MMA.md: launch
-// gap < 1 us, table ~0.5, reduction 1-3); K=3/5 still transpose planes; M = 9..16 at one unit in
+// gap < 1 us, table ~0.5, reduction 1-3); M = 9..16 at one unit in
 // flight per warp (two stages fit 128 registers). 28672x4096's CTAs end up to 5.5 / 10.4 us apart
 // (M = 1 / 16); spreading its 448 slabs' units evenly over the SMs, whole or only the 52 left
 // over, through a workspace, was correct and slower (docs/probes/gemv_balanced_*, _tail_split_*).

@@ -28,11 +28,14 @@
 // Bit e (0..7) of that byte in plane b is bit b of the codebook index of the weight at
 //     k = 64*ku + 32*kb + 16*(e >> 2) + 8*((e >> 1) & 1) + 2*t + (e & 1),   t = l & 3,
 // i.e. e = 0,1 -> b0 of k16 step 2*kb, e = 2,3 -> its b1; e = 4..7 the same for step 2*kb+1.
-// K = 4 stores nibble words instead: the four plane slots of a lane's word position hold
-// N_0..N_3, where bit 4m + b of N_s is bit 4m + s of plane b (a transpose of 4x4 bit blocks),
-// so nibble m = 2q + (e >> 2) of N_s, s = e & 3, is the whole index of element e of byte q.
-// Same bytes at the same addresses; the kernels skip the transpose the planes would need
-// (~1 integer op per weight; a decode step's GEMVs at M = 1 take 14% less time).
+// K = 3, 4, 5 store nibble words in the plane slots instead (slot_form below): N_s, where bit
+// 4m + b of N_s is bit 4m + s of plane b (b < 4; a transpose of 4x4 bit blocks), so nibble
+// m = 2q + (e >> 2) of N_s, s = e & 3, holds the low (up to four) index bits of element e of
+// byte q. K=4: slots 0..3 hold N_0..N_3. K=5: N_0..N_3 of planes 0..3, then plane 4 as is.
+// K=3: three slots for four nibble words of three bits each: slot b holds N_b in bits 4m..4m+2
+// and bit 4m + b of N_3 in bit 4m + 3. Same bytes per unit; the kernels skip most of the
+// transpose the planes would need (~1 integer op per weight: K=4's GEMVs at M = 1 took 14% less
+// time with it).
 // The absmax byte at [g][w][q] is the E4M4 code of (column c, block kb): the four lanes of
 // one g read the same 16 bytes, which the memory system serves as one broadcast.
 // Padding (columns >= N, k >= K) holds index 0 and absmax code 0, i.e. weight 0; kernels must
@@ -49,8 +52,19 @@ constexpr int kUnitAbsmaxBytes = kUnitN * kUnitK / kBlock;  // 128
 static_assert(kUnitK % kBlock == 0 && kUnitK / kBlock == 2, "a unit holds exactly two blocks");
 static_assert(kUnitN == 8 * 8, "a unit is 8 n8 MMA column groups");
 
-// K=4 stores nibble words in the plane slots (see the header): true where it does.
-__host__ __device__ constexpr bool layout_stores_nibbles(int bits) { return bits == 4; }
+// What the `bits` slots of a lane's word position hold (see the header).
+enum class SlotForm {
+  kPlanes,          // K=2: the bit-planes
+  kNibbles,         // K=4: N_0..N_3
+  kNibblesPlane4,   // K=5: N_0..N_3 of planes 0..3, then plane 4
+  kPackedNibbles,   // K=3: N_0..N_2 (3 bits a nibble) with N_3's bits in each nibble's bit 3
+};
+__host__ __device__ constexpr SlotForm slot_form(int bits) {
+  return bits == 2 ? SlotForm::kPlanes
+       : bits == 3 ? SlotForm::kPackedNibbles
+       : bits == 4 ? SlotForm::kNibbles
+                   : SlotForm::kNibblesPlane4;
+}
 
 __host__ __device__ constexpr int div_up(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int n_units(int n) { return div_up(n, kUnitN); }

@@ -34,8 +34,20 @@ __device__ __forceinline__ uint32_t plane_word(const uint32_t* __restrict__ qwei
   return out;
 }
 
-// One thread per packed word: word index = ((unit * bits + b) * 32 + lane) * 4 + w. For K=4
-// the word in slot b is the nibble word N_b of the four planes (kbit_layout.cuh).
+// Nibble word N_s of planes 0..min(bits, 4) - 1: bit 4m + p of N_s = bit 4m + s of plane p.
+__device__ __forceinline__ uint32_t nibble_word_of(const uint32_t* __restrict__ qweight, int n, int nb, int bits,
+                                                   int nu, int jb, int g, int t, int w, int s) {
+  uint32_t v = 0;
+  for (int p = 0; p < (bits < 4 ? bits : 4); ++p) {
+    const uint32_t pw = plane_word(qweight, n, nb, bits, nu, jb, g, t, w, p);
+    const uint32_t sh = p >= s ? (pw << (p - s)) : (pw >> (s - p));
+    v |= sh & (0x11111111u << p);
+  }
+  return v;
+}
+
+// One thread per packed word: word index = ((unit * bits + b) * 32 + lane) * 4 + w. Slot b
+// holds what slot_form(bits) says (kbit_layout.cuh).
 __global__ void repack_packed_kernel(const uint32_t* __restrict__ qweight, uint32_t* __restrict__ packed,
                                      int n, int k, int bits, long long total_words) {
   const int ku_count = k_units(k);
@@ -53,16 +65,17 @@ __global__ void repack_packed_kernel(const uint32_t* __restrict__ qweight, uint3
     const int jb = 2 * ku + (w >> 1);  // block index along K
     uint32_t out = 0;
     if (jb < nb) {
-      if (layout_stores_nibbles(bits)) {
-        // bit 4m + p of N_b = bit 4m + b of plane p
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-          const uint32_t pw = plane_word(qweight, n, nb, bits, nu, jb, g, t, w, p);
-          const uint32_t sh = p >= b ? (pw << (p - b)) : (pw >> (b - p));
-          out |= sh & (0x11111111u << p);
-        }
-      } else {
-        out = plane_word(qweight, n, nb, bits, nu, jb, g, t, w, b);
+      switch (slot_form(bits)) {
+        case SlotForm::kPlanes: out = plane_word(qweight, n, nb, bits, nu, jb, g, t, w, b); break;
+        case SlotForm::kNibbles: out = nibble_word_of(qweight, n, nb, bits, nu, jb, g, t, w, b); break;
+        case SlotForm::kNibblesPlane4:
+          out = b < 4 ? nibble_word_of(qweight, n, nb, bits, nu, jb, g, t, w, b)
+                      : plane_word(qweight, n, nb, bits, nu, jb, g, t, w, b);
+          break;
+        case SlotForm::kPackedNibbles:  // N_b, and bit 4m + b of N_3 in bit 4m + 3
+          out = nibble_word_of(qweight, n, nb, bits, nu, jb, g, t, w, b) |
+                (((nibble_word_of(qweight, n, nb, bits, nu, jb, g, t, w, 3) >> b) & 0x11111111u) << 3);
+          break;
       }
     }
     packed[idx] = out;

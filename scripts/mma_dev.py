@@ -114,6 +114,8 @@ def tiled_from_indices(idx, codes, bits):
         word = (byte << (8 * Q.view(1, 1, 4))).sum(-1)  # [nu, ku, 32, 4]
         planes.append(word)
     packed = torch.stack(planes, 2)  # [nu, ku, bits, 32, 4]
+    from vllm_kbit import layout as klayout  # what the slots hold (K = 3..5: nibble words)
+    packed = klayout.planes_to_slots(packed & 0xFFFFFFFF, bits)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).reshape(-1)
     cp = torch.zeros(nu * 64, ku * 2, dtype=torch.int64, device=dev)
     cp[:n, :k // 32] = codes.long()

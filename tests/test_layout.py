@@ -37,7 +37,7 @@ def test_padding_is_zero(bits):
     absmax = torch.full_like(absmax, 255)
     packed, amax_p = kl.repack_ref(qweight, absmax, bits)
     nu, ku = kl.n_units(n), kl.k_units(k)
-    words = packed.view(nu, ku, bits, 32, 4).to(torch.int64) & 0xFFFFFFFF
+    words = kl.slots_to_planes(packed.view(nu, ku, bits, 32, 4).to(torch.int64) & 0xFFFFFFFF, bits)
     amax = amax_p.view(nu, ku, 8, 4, 4)
     for c in range(nu * 64):
         for kk in range(0, ku * 64, 1):
@@ -63,7 +63,7 @@ def test_hand_checked_positions():
     absmax[9, 0] = 0x5A
     absmax[64 + 63, 3] = 0xC3
     packed, amax_p = kl.repack_ref(qweight, absmax, bits)
-    words = packed.view(2, 2, bits, 32, 4).to(torch.int64) & 0xFFFFFFFF
+    words = kl.slots_to_planes(packed.view(2, 2, bits, 32, 4).to(torch.int64) & 0xFFFFFFFF, bits)
     # (0, 0): unit (0,0), g=0 t=0 -> lane 0; j=0 -> w=0, q=0; e=0. Index 1 -> plane 0 only.
     assert words[0, 0, 0, 0, 0] == 1 and words[0, 0, 1, 0, 0] == 0
     # (9, 1): j=1, g=1 -> lane 4, w=0, q=1; k=1 -> t=0, e=1. Index 2 -> plane 1, bit 8+1.
@@ -99,3 +99,32 @@ def test_k4_stores_nibble_words():
     # the transpose is its own inverse, and random words survive it
     w = torch.randint(0, 2 ** 32, (2, 4, 32, 4), dtype=torch.int64)
     assert torch.equal(kl.nibble_transpose(kl.nibble_transpose(w)), w)
+
+
+def test_k3_k5_slot_forms():
+    """K=5: slots 0..3 hold N_0..N_3 of planes 0..3, slot 4 plane 4. K=3: slot b holds N_b in
+    each nibble's bits 0..2 and bit b of N_3's nibble in bit 3 (kbit_layout.cuh, slot_form)."""
+    n, k = 64, 64
+    # (9, 1): lane 4, w = 0, q = 1, e = 1 -> nibble 2 of N_1; (43, 62): lane 15, w = 3, q = 1,
+    # e = 6 -> nibble 3 of N_2; (9, 9): lane 4, w = 0, q = 1, e = 3 (k = 8 + 1) -> nibble 2 of N_3
+    ones = torch.ones(n, k // 32, dtype=torch.uint8)
+    idx = torch.zeros(n, k, dtype=torch.uint8)
+    idx[9, 1], idx[43, 62], idx[9, 9] = 0x1B, 0x16, 0x11
+    packed, _ = kl.repack_ref(kf.pack_bitplanes(idx, 5), ones, 5)
+    words = packed.view(5, 32, 4).to(torch.int64) & 0xFFFFFFFF
+    assert words[1, 4, 0] == 0xB << 8 and words[2, 15, 3] == 0x6 << 12 and words[3, 4, 0] == 0x1 << 8
+    # plane 4: bit 8q + e of the word (q = 1, e = 1 / 6 / 3)
+    assert words[4, 4, 0] == (1 << 9) | (1 << 11) and words[4, 15, 3] == 1 << 14
+    assert int((words != 0).sum()) == 5
+    idx = torch.zeros(n, k, dtype=torch.uint8)
+    idx[9, 1], idx[43, 62], idx[9, 9] = 0x5, 0x6, 0x7
+    packed, _ = kl.repack_ref(kf.pack_bitplanes(idx, 3), ones, 3)
+    words = packed.view(3, 32, 4).to(torch.int64) & 0xFFFFFFFF
+    # N_3's nibble 2 (lane 4, w 0) is 7: bit 3 of nibble 2 in all three slots; slot 1 also
+    # holds N_1's nibble 2 (5)
+    assert words[0, 4, 0] == 0x8 << 8 and words[1, 4, 0] == 0xD << 8 and words[2, 4, 0] == 0x8 << 8
+    assert words[2, 15, 3] == 0x6 << 12
+    assert int((words != 0).sum()) == 4
+    for bits in (3, 5):
+        w = torch.randint(0, 2 ** 32, (2, bits, 32, 4), dtype=torch.int64)  # any planes
+        assert torch.equal(kl.slots_to_planes(kl.planes_to_slots(w, bits), bits), w)

@@ -11,9 +11,11 @@ layout of format.py exactly as the repack kernel does (tests compare them bit fo
   bit e of the byte in plane b = bit b of the index at
       k = 64 ku + 32 kb + 16 (e >> 2) + 8 ((e >> 1) & 1) + 2 t + (e & 1)
 
-K = 4 stores nibble words in the plane slots instead: bit 4m + b of word N_s is bit 4m + s of
-plane b (4x4 bit-block transpose), so nibble 2q + (e >> 2) of N_(e & 3) is the whole index of
-element e of byte q (`nibble_transpose`; the kernels then need no transpose of their own).
+K = 3, 4, 5 store nibble words in the plane slots instead (`planes_to_slots`): bit 4m + b of
+word N_s is bit 4m + s of plane b (4x4 bit-block transpose, b < 4), so nibble 2q + (e >> 2) of
+N_(e & 3) holds the low (up to four) index bits of element e of byte q, and the kernels need
+(almost) no transpose of their own. K=4: N_0..N_3. K=5: N_0..N_3, then plane 4. K=3: slot b
+holds N_b (three bits a nibble) and, in each nibble's bit 3, bit b of N_3's nibble. K=2: planes.
 
 So the column index splits as c = 64 nu + 8 (4 jh + q) + g  (jh = w & 1) and the k index as
 k = 64 ku + 32 kb + 16 s + 8 h + 2 t + p  (e = 4 s + 2 h + p): the layout is one permutation
@@ -58,11 +60,6 @@ _TO_TILED = (0, 4, 3, 8, 5, 1, 2, 6, 7, 9)
 _FROM_TILED = tuple(_TO_TILED.index(i) for i in range(10))
 
 
-def stores_nibbles(bits: int) -> bool:
-    """Whether the tiled layout of this bit width holds nibble words instead of bit-planes."""
-    return bits == 4
-
-
 def nibble_transpose(words: torch.Tensor) -> torch.Tensor:
     """[..., 4 slots, 32 lanes, 4 words] int64 (32-bit values): planes <-> nibble words
     (bit 4m + b of output slot s = bit 4m + s of input slot b; its own inverse)."""
@@ -73,6 +70,36 @@ def nibble_transpose(words: torch.Tensor) -> torch.Tensor:
             moved = src << (b - s) if b >= s else src >> (s - b)
             out[..., s, :, :] |= moved & (0x11111111 << b)
     return out & 0xFFFFFFFF
+
+
+_NIB = 0x11111111
+
+
+def planes_to_slots(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., bits, 32, 4] int64 plane words -> the words the tiled layout stores in the `bits`
+    slots (kbit_layout.cuh, slot_form)."""
+    if bits == 2:
+        return words
+    if bits == 4:
+        return nibble_transpose(words)
+    if bits == 5:
+        return torch.cat([nibble_transpose(words[..., :4, :, :]), words[..., 4:, :, :]], dim=-3)
+    nib = nibble_transpose(torch.cat([words, torch.zeros_like(words[..., :1, :, :])], dim=-3))  # K=3
+    n3 = nib[..., 3, :, :]
+    return torch.stack([nib[..., b, :, :] | (((n3 >> b) & _NIB) << 3) for b in range(3)], dim=-3)
+
+
+def slots_to_planes(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of planes_to_slots."""
+    if bits == 2:
+        return words
+    if bits == 4:
+        return nibble_transpose(words)
+    if bits == 5:
+        return torch.cat([nibble_transpose(words[..., :4, :, :]), words[..., 4:, :, :]], dim=-3)
+    n3 = sum(((words[..., b, :, :] >> (3 - b)) & (_NIB << b)) for b in range(3))  # K=3
+    nib = torch.stack([words[..., b, :, :] & 0x77777777 for b in range(3)] + [n3], dim=-3)
+    return nibble_transpose(nib)[..., :3, :, :]
 
 
 def repack_ref(qweight: torch.Tensor, absmax: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,9 +118,7 @@ def repack_ref(qweight: torch.Tensor, absmax: torch.Tensor, bits: int) -> tuple[
     planes = (digits.unsqueeze(2) >> torch.arange(bits, device=idx.device).view(1, 1, bits, 1, 1, 1, 1)) & 1
     shifts = (8 * torch.arange(4, device=idx.device).view(4, 1) + torch.arange(8, device=idx.device)).view(4, 8)
     words = (planes << shifts).sum((-1, -2))                          # [nu, ku, bits, 32, 4]
-    if stores_nibbles(bits):
-        words = nibble_transpose(words)
-    packed = _to_int32(words).reshape(-1)
+    packed = _to_int32(planes_to_slots(words, bits)).reshape(-1)
 
     amax = torch.zeros(nu * UNIT_N, ku * 2, dtype=torch.uint8, device=absmax.device)
     amax[:n, :nb] = absmax
@@ -109,9 +134,7 @@ def unpack_ref(packed: torch.Tensor, absmax_packed: torch.Tensor, bits: int, n: 
     nu, ku = n_units(n), k_units(k)
     if packed.numel() != packed_numel(n, k, bits) or absmax_packed.numel() != absmax_numel(n, k):
         raise kf.KbitFormatError("tiled layout size does not match n, k, bits")
-    words = packed.reshape(nu, ku, bits, 32, 4).to(torch.int64) & 0xFFFFFFFF
-    if stores_nibbles(bits):
-        words = nibble_transpose(words)
+    words = slots_to_planes(packed.reshape(nu, ku, bits, 32, 4).to(torch.int64) & 0xFFFFFFFF, bits)
     shifts = (8 * torch.arange(4, device=packed.device).view(4, 1) + torch.arange(8, device=packed.device)).view(4, 8)
     bits_ = (words.view(nu, ku, bits, 32, 4, 1, 1) >> shifts) & 1        # [nu, ku, bits, 32, 4, q, e]
     digits = (bits_ << torch.arange(bits, device=packed.device).view(1, 1, bits, 1, 1, 1, 1)).sum(2)
@@ -124,7 +147,7 @@ def unpack_ref(packed: torch.Tensor, absmax_packed: torch.Tensor, bits: int, n: 
 
 def position(c: int, kk: int, bits_index: int = 0, k: int | None = None) -> dict:
     """Where the index bit `bits_index` of weight (column c, input kk) lives in the bit-plane
-    form, by the header's formula (for hand checks; K=4 then transposes: nibble_transpose):
+    form, by the header's formula (for hand checks; the layout stores planes_to_slots of them):
     word index into `packed` needs KU = k_units(k) and bits."""
     nu, cc = divmod(c, UNIT_N)
     j, g = divmod(cc, 8)
