@@ -97,7 +97,10 @@ inline double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int wa
 // -1.7 / -2.5% (bench_gemv_k3_s4_d372645.json, against a build with KBIT_GEMV_DEV_NO_K3S4,
 // same call). At K=4 the ranking gives G = 16, S = 4 a 0.9 unit cost (kS4Unit), which takes it
 // from M = 6 on 28672x4096 and layers like it: gate_up 23.3 / 23.4 / 28.5 us at M = 6 / 8 / 10
-// against G = 4's 26.6 / 26.8 / 30.8 (bench_decode_gemv_s4_rank_f0b76b0.json).
+// against G = 4's 26.6 / 26.8 / 30.8 (bench_decode_gemv_s4_rank_f0b76b0.json). K=3 too since its
+// layout stores nibble words (eighteenth session): 8B step at M = 6 / 8 / 12 / 16 1700 / 1756 /
+// 2117 / 2133 against 1805 / 1880 / 2137 / 2142 us; at K=5 the discount was 0.4% faster to 1.4%
+// slower (bench_decode_gemv_s4_rank_k3_k5_cbea5e3.json, both plans alternated twice in one call).
 // `forced_s` > 0 fixes S, `forced_g` > 0 G. G = 0 where no K range fits.
 constexpr int kS4Min = 8;
 // the smallest bit width that takes S = 4 (above); KBIT_GEMV_DEV_NO_K3S4 (probe builds, A/B):
@@ -125,7 +128,7 @@ inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, int forced
           (se != 4 || bits < kS4MinBits || chunk < kS4Min || (long long)div_up(nu, g) * se > num_sms))
         continue;
       const double cost = plan_cost(m, nu, ku, num_sms, se, g, kWideWarps, 1);
-      const double rank = plan_cost(m, nu, ku, num_sms, se, g, kWideWarps, 1, bits == 4);
+      const double rank = plan_cost(m, nu, ku, num_sms, se, g, kWideWarps, 1, bits == 3 || bits == 4);
       min_cost = min_cost < 0 || cost < min_cost ? cost : min_cost;
       if (best.slabs == 0 || rank < best.rank - 1e-9 || (rank < best.rank + 1e-9 && g > best.slabs))
         best = {se, g, cost, rank};

@@ -293,7 +293,7 @@ def test_gemv_wide_layer_plan(dtype, bits):
     """28672x4096 (Llama-3-8B's gate_up, 448 slabs) through the op's own dispatch at every M the
     GEMV's plans differ on (on an H200, tests/cpp/gemv_plan_test.cu pins which): classic 4-warp
     CTAs, x resident in CTAs of four slabs, and of sixteen slabs in clusters of four (from M = 6
-    at K=4, M = 11 at K = 3, 5; never at K=2)."""
+    at K = 3, 4, M = 11 at K=5; never at K=2)."""
     for m in (1, 4, 6, 8, 9, 11, 12, 16):
         _check_gemm(28672, 4096, bits, dtype, m, bias=bool(m % 2))
 

@@ -47,11 +47,11 @@ int main() {
       expect_plan(m, 128256, 4096, bits, 1, kWideWarps, 16);
     }
     // 8B gate_up (28672x4096, 448 slabs): four 4-warp CTAs per SM up to M = 5, then x resident:
-    // 16-slab CTAs in clusters of four from M = 6 at K = 4; at K = 3, 5 4-slab CTAs, 16-slab ones
+    // 16-slab CTAs in clusters of four from M = 6 at K = 3, 4; at K=5 4-slab CTAs, 16-slab ones
     // from M = 11; at K = 2 4-slab CTAs
     for (int m = 1; m <= 5; ++m) expect_plan(m, 28672, 4096, bits, 1, kNarrowWarps, 0);
     for (int m = 6; m <= 10; ++m) {
-      if (bits == 4) expect_plan(m, 28672, 4096, bits, 4, kWideWarps, 16);
+      if (bits == 3 || bits == 4) expect_plan(m, 28672, 4096, bits, 4, kWideWarps, 16);
       else expect_plan(m, 28672, 4096, bits, 1, kWideWarps, 4);
     }
     for (int m = 11; m <= 16; ++m) {
