@@ -254,8 +254,8 @@ def test_gemv_variants(tmp_path):
 
 _GEMV_XR_SPLITS = _SCRIPT_PRELUDE + r"""
 # x resident with G = $KBIT_GEMV_XR_SLABS slabs per CTA and every split S = 1..4 (clusters of S
-# along K; G = 16, S = 4 is what the plan takes for 28672x4096 from M = 6 at K=4, M = 11 at K = 3, 5), fp16 and
-# bf16, M = 1, 13, 16.
+# along K; G = 16, S = 4 is what the plan takes for 28672x4096 from M = 6 at K = 3, 4, M = 11
+# at K=5), fp16 and bf16, M = 1, 13, 16.
 out = []
 for n, k in ((1000, 2080), (12800, 2080)):
     for bits in (2, 4, 5):
