@@ -83,9 +83,8 @@ inline double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int wa
 // SM, by plan_cost; ties go to the larger G (less x), then the smaller S. S <= 2, but for
 // S = 4 at G = 16 in one wave with >= 8 units a warp (kS4Min), K >= 3 (kS4MinBits). x resident
 // with S = 4 and several warps per slab took twice the time of the ring on 4096x4096 and
-// 4096x14336 (G = 2:
-// 15.3 / 31.6 against 9.1 / 17.8 us in the 8B decode step at M = 12, H200; G = 4 on qkv / o
-// at M = 1..16 1.1-1.4x); one warp per slab (G = 16), each streaming its slab's K range of a
+// 4096x14336 (G = 2: 15.3 / 31.6 against 9.1 / 17.8 us in the 8B decode step at M = 12, H200;
+// G = 4 on qkv / o at M = 1..16 1.1-1.4x); one warp per slab (G = 16), each streaming its slab's K range of a
 // cluster of four, is what won: 28672x4096 at M = 12 / 16 28.5 / 28.8 us against the plan's
 // G = 4, S = 1 31.5 / 31.9 (M = 4 / 8: 23.1 / 23.3 against 25.1 / 26.8, which the model does
 // not see; bench_decode_gemv_xr_g16s4_dfc970f.json), and in two or more waves it lost

@@ -72,6 +72,7 @@ constexpr int kSlabs = 4;               // one 64-column layout slab per warp of
 // cudaFuncAttributeNonPortableClusterSizeAllowed); the plan takes them only for long K ranges
 // (choose_splits, kBigClusterChunk).
 constexpr int kMaxSplits = 16;
+constexpr int kPortableSplits = 8;      // the largest cluster every sm_90 launch allows
 constexpr int kPlanInts = 8;            // wgmma_plan_info's out[] (kbit_ops.h)
 // Grid (splits, token tiles, column groups): the token tiles of one column group are launched
 // next to each other, so the W they share is read from DRAM once and from L2 after (0-7% faster
@@ -625,7 +626,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, 
 struct Occupancy {
   int per_sm = 1;
   int spread_bytes = 0;
-  int max_splits = 8;                    // 16 where the device allows non-portable cluster sizes
+  int max_splits = kPortableSplits;      // kMaxSplits where the device allows non-portable sizes
   int clusters[kMaxSplits + 1][2] = {};  // [s][spread]; 0 = the API gave no answer
 };
 
@@ -748,7 +749,7 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
   long long best_cost = -1;
   for (int s = 1; s <= max_s && s <= ku; ++s) {
     if (s > 1 && div_up(ku, s) < 2) break;  // at least two K-tiles per CTA
-    if (s > 8 && div_up(ku, s) < kBigClusterChunk) break;
+    if (s > kPortableSplits && div_up(ku, s) < kBigClusterChunk) break;
     const long long ctas = tiles * s;
     const bool spread = fits_spread(occ, ctas, num_sms);
     const int resident = occ.clusters[s][spread] > 0 ? occ.clusters[s][spread]

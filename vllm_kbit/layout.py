@@ -75,29 +75,29 @@ def nibble_transpose(words: torch.Tensor) -> torch.Tensor:
 _NIB = 0x11111111
 
 
+def _transpose_low_planes(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """K = 2, 4, 5, where planes <-> slots is its own inverse: planes kept (K=2), or planes
+    0..3 transposed into nibble words and plane 4 kept (K = 4, 5)."""
+    if bits == 2:
+        return words
+    return torch.cat([nibble_transpose(words[..., :4, :, :]), words[..., 4:, :, :]], dim=-3)
+
+
 def planes_to_slots(words: torch.Tensor, bits: int) -> torch.Tensor:
     """[..., bits, 32, 4] int64 plane words -> the words the tiled layout stores in the `bits`
     slots (kbit_layout.cuh, slot_form)."""
-    if bits == 2:
-        return words
-    if bits == 4:
-        return nibble_transpose(words)
-    if bits == 5:
-        return torch.cat([nibble_transpose(words[..., :4, :, :]), words[..., 4:, :, :]], dim=-3)
-    nib = nibble_transpose(torch.cat([words, torch.zeros_like(words[..., :1, :, :])], dim=-3))  # K=3
+    if bits != 3:
+        return _transpose_low_planes(words, bits)
+    nib = nibble_transpose(torch.cat([words, torch.zeros_like(words[..., :1, :, :])], dim=-3))
     n3 = nib[..., 3, :, :]
     return torch.stack([nib[..., b, :, :] | (((n3 >> b) & _NIB) << 3) for b in range(3)], dim=-3)
 
 
 def slots_to_planes(words: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of planes_to_slots."""
-    if bits == 2:
-        return words
-    if bits == 4:
-        return nibble_transpose(words)
-    if bits == 5:
-        return torch.cat([nibble_transpose(words[..., :4, :, :]), words[..., 4:, :, :]], dim=-3)
-    n3 = sum(((words[..., b, :, :] >> (3 - b)) & (_NIB << b)) for b in range(3))  # K=3
+    if bits != 3:
+        return _transpose_low_planes(words, bits)
+    n3 = sum(((words[..., b, :, :] >> (3 - b)) & (_NIB << b)) for b in range(3))
     nib = torch.stack([words[..., b, :, :] & 0x77777777 for b in range(3)] + [n3], dim=-3)
     return nibble_transpose(nib)[..., :3, :, :]
 
