@@ -741,7 +741,15 @@ inline bool fits_spread(const Occupancy& occ, long long ctas, int num_sms) { ret
 //     alternated twice in one call; the --sweep-splits table is irregular past 8, so only the
 //     model's pick, not every size, is worth trusting there).
 constexpr int kBigClusterChunk = 16;
-inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& occ) {
+//   * a split CTA pays its reduction on top (`split_cost`, in the same units): at MT = 128,
+//     whose partials are 128 KB a CTA, 4 K-tiles (kSplitCost128). Fitted to forced sweeps
+//     s = 1..16 on 4096x4096, 6144x4096, 4096x14336 and 28672x4096 at M = 256..1000 (K=4,
+//     bench_gemm.py --sweep-splits, 52 cases, bench_gemm_wgmma_splits_m*_9f74899.json): any
+//     cost from 3.5 to 4.8 K-tiles picks the fastest forced split in all 52, none picked it in
+//     43 (28672x4096 at M = 448..768 ran s = 2 at 1.09-1.14x the time of s = 1, 4096x14336 at
+//     M = 704 / 768 s = 8 at 1.14x). MT <= 64 keeps the cost 0 its own sweeps were fitted with.
+constexpr int kSplitCost128 = 40;
+inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost) {
   constexpr int kAlone = 10, kShared = 17, kFixed = 3 * kAlone;
   const int cap = env_int("KBIT_WGMMA_MAX_SPLITS", kMaxSplits);  // tuning: 8 = portable sizes only
   const int max_s = cap < 1 ? 1 : cap > occ.max_splits ? occ.max_splits : cap;
@@ -757,7 +765,7 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
     const long long waves = div_up(tiles, (long long)(resident > 0 ? resident : 1));
     const long long per_sm = div_up(ctas, (long long)num_sms);  // CTAs on the busiest SM (one wave)
     const long long busiest = spread ? 1 : per_sm < occ.per_sm ? per_sm : occ.per_sm;
-    const long long cost = waves * (div_up(ku, s) * (busiest >= 2 ? kShared : kAlone) + kFixed);
+    const long long cost = waves * (div_up(ku, s) * (busiest >= 2 ? kShared : kAlone) + kFixed + (s > 1 ? split_cost : 0));
     if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
   }
   return best;
@@ -766,7 +774,8 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
 // Debug overrides for tuning, read on every call, unset in production:
 // KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128, KBIT_WGMMA_WIDE = 1 (512-column CTAs at tiles <= 64),
 // KBIT_WGMMA_SPREAD = 0 (never launch spread), KBIT_WGMMA_ROWSPLIT = 1 | 2 (at MT = 32) and
-// KBIT_WGMMA_MAX_SPLITS = 1..16 (the largest cluster choose_splits considers).
+// KBIT_WGMMA_MAX_SPLITS = 1..16 (the largest cluster choose_splits considers),
+// KBIT_WGMMA_SPLIT_COST = 0.. (choose_splits' reduction cost at MT = 128; 0 = the plan before it).
 inline int tile_m(int m) {
   const int t = env_int("KBIT_WGMMA_TILE_M", 0);
   if (t == 16 || t == 32 || t == 64 || t == 128) return t;
@@ -835,7 +844,8 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
   // the split from R = 1's occupancy at MT <= 32 (the same two CTAs per SM as R = 2)
   const int rs_split = cn == 512 || mt <= 32 ? 1 : 2;
   const Occupancy& occ_split = occupancy_for<BITS, T>(mt, cn, rs_split);
-  int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, num_sms, occ_split);
+  const int split_cost = mt == 128 ? env_int("KBIT_WGMMA_SPLIT_COST", kSplitCost128) : 0;
+  int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, num_sms, occ_split, split_cost);
   s = s < 1 ? 1 : s > occ_split.max_splits ? occ_split.max_splits : s > p.ku_count ? p.ku_count : s;
   p.chunk = div_up(p.ku_count, s);
   s = div_up(p.ku_count, p.chunk);  // no empty CTA

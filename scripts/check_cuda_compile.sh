@@ -21,8 +21,13 @@ echo "check_cuda_compile: ${#SOURCES[@]} sources compile for sm_80 and sm_90a"
 # (setmaxnreg 40 / 232, kbit_wgmma.cuh Cfg::kProducer): the raise waits until the pool holds
 # 8 x 232 + 4 x 40 registers a warp, which needs the launch's 168 a thread (64 K / 384). Any
 # other count (a changed launch bound, -maxrregcount) would hang the kernel, so it fails here.
+# cuobjdump: on PATH, next to nvcc, or the copy triton ships (installed with vLLM's dependencies)
+CUOBJDUMP="${CUOBJDUMP:-$(command -v cuobjdump || true)}"
+[ -n "$CUOBJDUMP" ] || [ ! -x "$(dirname "$NVCC")/cuobjdump" ] || CUOBJDUMP="$(dirname "$NVCC")/cuobjdump"
+[ -n "$CUOBJDUMP" ] || CUOBJDUMP="$(python3 -c 'import os, triton; print(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))' 2>/dev/null || true)"
+[ -n "$CUOBJDUMP" ] && [ -x "$CUOBJDUMP" ] || { echo "check_cuda_compile: cuobjdump not found (set CUOBJDUMP)"; exit 1; }
 for o in "$OUTDIR"/wgmma_k*.cu.o; do
-  regs=$(cuobjdump --dump-resource-usage -arch sm_90a "$o" | grep -A1 "wgmma_kernelILi[0-9]ELi128ELi256ELi2E" \
+  regs=$("$CUOBJDUMP" --dump-resource-usage -arch sm_90a "$o" | grep -A1 "wgmma_kernelILi[0-9]ELi128ELi256ELi2E" \
          | grep -o "REG:[0-9]*" || true)
   [ -n "$regs" ] || { echo "FAILED: $(basename "$o"): no 128-token tile instantiation found"; exit 1; }
   bad=$(echo "$regs" | grep -v -x "REG:168" || true)

@@ -137,6 +137,17 @@ def test_plans_use_split_k_and_not():
     assert plan(200, 4096, 4096, 4)["tile_m"] == 128 and plan(200, 4096, 4096, 4)["grid"][1] == 2
 
 
+def test_split_cost_at_tile_128(monkeypatch):
+    # At MT = 128 a split CTA pays its 128 KB reduction (kSplitCost128): 4096x14336 at M = 512
+    # (64 tiles) still splits, while on the H200's 132 SMs 28672x4096 at M = 576 (560 tiles) and
+    # 4096x14336 at M = 704 (96 tiles) run unsplit, which a cost of 0 (the plan before) did not.
+    assert plan(512, 4096, 14336, 4)["splits"] > 1
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert plan(576, 28672, 4096, 4)["splits"] == 1 and plan(704, 4096, 14336, 4)["splits"] == 1
+        monkeypatch.setenv("KBIT_WGMMA_SPLIT_COST", "0")
+        assert plan(576, 28672, 4096, 4)["splits"] > 1 and plan(704, 4096, 14336, 4)["splits"] > 1
+
+
 def test_spread_launch(monkeypatch):
     # A grid of at most one CTA per SM is launched with half an SM's shared memory, so the
     # cluster scheduler cannot pack two CTAs on one SM (kbit_wgmma.cuh, choose_splits); results
