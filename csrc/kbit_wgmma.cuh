@@ -744,10 +744,11 @@ constexpr int kBigClusterChunk = 16;
 //   * a split CTA pays its reduction on top (`split_cost`, in the same units): at MT = 128,
 //     whose partials are 128 KB a CTA, 4 K-tiles (kSplitCost128). Fitted to forced sweeps
 //     s = 1..16 on 4096x4096, 6144x4096, 4096x14336 and 28672x4096 at M = 256..1000 (K=4,
-//     bench_gemm.py --sweep-splits, 52 cases, bench_gemm_wgmma_splits_m*_9f74899.json): any
-//     cost from 3.5 to 4.8 K-tiles picks the fastest forced split in all 52, none picked it in
-//     43 (28672x4096 at M = 448..768 ran s = 2 at 1.09-1.14x the time of s = 1, 4096x14336 at
-//     M = 704 / 768 s = 8 at 1.14x). MT <= 64 keeps the cost 0 its own sweeps were fitted with.
+//     bench_gemm.py --sweep-splits, 49 cases, bench_gemm_wgmma_splits_m*_9f74899.json): any
+//     cost from 3.5 to 4.8 K-tiles picks the fastest forced split in all 49, a cost of 0 in 40
+//     (28672x4096 at M = 448..768 ran s = 2 at 1.09-1.14x the time of s = 1, 4096x14336 at
+//     M = 704 / 768 s = 8 at 1.14x); tests/test_wgmma_plan.py replays them on the CPU. MT <= 64
+//     keeps the cost 0 its own sweeps were fitted with.
 constexpr int kSplitCost128 = 40;
 inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost) {
   constexpr int kAlone = 10, kShared = 17, kFixed = 3 * kAlone;

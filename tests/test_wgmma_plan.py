@@ -1,0 +1,58 @@
+"""The wgmma kernel's split-K choice at 128-token tiles on the CPU: tests/cpp/wgmma_splits_test.cu
+replays choose_splits (csrc/kbit_wgmma.cuh) with the H200's occupancy on every case of the
+forced split sweeps in benchmarks/results (bench_gemm.py --sweep-splits, K=4, M = 256..1000), and
+the pick must run within 2% of the fastest forced split measured there. Skipped without nvcc."""
+import collections
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+SWEEPS = ["bench_gemm_wgmma_splits_m256_1000_9f74899.json", "bench_gemm_wgmma_splits_m320_960_9f74899.json"]
+
+
+def sweep_times():
+    """{(n, k, m): {splits: us}} of the forced runs (tile 128: M > 64)."""
+    cases = collections.defaultdict(dict)
+    for name in SWEEPS:
+        with open(os.path.join(ROOT, "benchmarks", "results", name)) as f:
+            for r in json.load(f)["results"]:
+                tag = r["method"].rsplit("-", 1)[-1]
+                if tag.startswith("s") and r["m"] > 64:
+                    cases[(r["n"], r["k"], r["m"])][int(tag[1:])] = r["us"]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def replay(tmp_path_factory):
+    if NVCC is None:
+        pytest.skip("needs nvcc")
+    exe = tmp_path_factory.mktemp("wgmma_plan") / "wgmma_splits_test"
+    subprocess.run([NVCC, "-std=c++17", "--expt-relaxed-constexpr", "-I", os.path.join(ROOT, "csrc"), "-o", str(exe),
+                    os.path.join(ROOT, "tests", "cpp", "wgmma_splits_test.cu")], check=True, timeout=600)
+
+    def run(cases, cost=None):
+        stdin = "".join(f"{n} {k} {m}\n" for n, k, m in cases)
+        r = subprocess.run([str(exe)] + ([str(cost)] if cost is not None else []), input=stdin,
+                           capture_output=True, text=True, timeout=60, check=True)
+        return {tuple(int(v) for v in line.split()[:3]): int(line.split()[3]) for line in r.stdout.splitlines()}
+    return run
+
+
+def test_split_pick_is_near_the_fastest_measured(replay):
+    cases = sweep_times()
+    assert len(cases) >= 45
+    picks = replay(cases)
+    slow = {c: (picks[c], t[picks[c]] / min(t.values())) for c, t in cases.items() if t[picks[c]] > 1.02 * min(t.values())}
+    assert not slow, slow
+
+
+def test_split_cost_zero_is_the_old_plan(replay):
+    # the plan before kSplitCost128 took a split on 28672x4096 at M = 448..768 that ran 9-14% slower
+    cases = sweep_times()
+    picks = replay(cases, cost=0)
+    assert picks[(28672, 4096, 704)] > 1 and cases[(28672, 4096, 704)][picks[(28672, 4096, 704)]] > 1.05 * cases[(28672, 4096, 704)][1]
