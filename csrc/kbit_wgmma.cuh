@@ -766,10 +766,22 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
     const long long waves = div_up(tiles, (long long)(resident > 0 ? resident : 1));
     const long long per_sm = div_up(ctas, (long long)num_sms);  // CTAs on the busiest SM (one wave)
     const long long busiest = spread ? 1 : per_sm < occ.per_sm ? per_sm : occ.per_sm;
-    const long long cost = waves * (div_up(ku, s) * (busiest >= 2 ? kShared : kAlone) + kFixed + (s > 1 ? split_cost : 0));
+    const long long per_cta = div_up(ku, s) * (busiest >= 2 ? kShared : kAlone) + kFixed + (s > 1 ? split_cost : 0);
+    const long long cost = waves * per_cta;
     if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
   }
   return best;
+}
+
+// The split of a plan: `forced` (> 0) or choose_splits' pick, clamped to the device's largest
+// cluster and the K-tiles, then the fewest CTAs that keep its K-tiles per CTA (`*chunk`), so no
+// CTA is empty. plan_t and the CPU replay (tests/cpp/wgmma_splits_test.cu) both go through it.
+inline int plan_split(long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost, int forced,
+                      int* chunk) {
+  int s = forced > 0 ? forced : choose_splits(tiles, ku, num_sms, occ, split_cost);
+  s = s < 1 ? 1 : s > occ.max_splits ? occ.max_splits : s > ku ? ku : s;
+  *chunk = div_up(ku, s);
+  return div_up(ku, *chunk);
 }
 
 // Debug overrides for tuning, read on every call, unset in production:
@@ -846,10 +858,7 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
   const int rs_split = cn == 512 || mt <= 32 ? 1 : 2;
   const Occupancy& occ_split = occupancy_for<BITS, T>(mt, cn, rs_split);
   const int split_cost = mt == 128 ? env_int("KBIT_WGMMA_SPLIT_COST", kSplitCost128) : 0;
-  int s = splits > 0 ? splits : choose_splits((long long)gy * gz, p.ku_count, num_sms, occ_split, split_cost);
-  s = s < 1 ? 1 : s > occ_split.max_splits ? occ_split.max_splits : s > p.ku_count ? p.ku_count : s;
-  p.chunk = div_up(p.ku_count, s);
-  s = div_up(p.ku_count, p.chunk);  // no empty CTA
+  const int s = plan_split((long long)gy * gz, p.ku_count, num_sms, occ_split, split_cost, splits, &p.chunk);
   int rs = cn == 512 || mt == 16 ? 1 : mt >= 64 || p.chunk <= kShortChunk ? 2 : 1;
   const int rs_force = env_int("KBIT_WGMMA_ROWSPLIT", 0);
   if (cn == 256 && mt == 32 && (rs_force == 1 || rs_force == 2)) rs = rs_force;

@@ -2,8 +2,8 @@
 // choose_splits with kSplitCost128), built and run by tests/test_wgmma_plan.py with nvcc as
 // host code. Reads "n k m" lines on stdin and prints "n k m splits" for each, with the H200's
 // occupancy at 227 KB CTAs (one per SM; cudaOccupancyMaxActiveClusters measured for s = 1..16,
-// benchmarks/results/wgmma_decode_wg_probe_9f74899.json's session, docs/MMA.md), the same
-// clamping as plan_t. Optional argv[1]: the split cost (KBIT_WGMMA_SPLIT_COST).
+// benchmarks/results/wgmma_decode_wg_probe_9f74899.json's session, docs/MMA.md), through
+// plan_split as plan_t. Optional argv[1]: the split cost (KBIT_WGMMA_SPLIT_COST).
 #include <cstdio>
 #include <cstdlib>
 
@@ -23,12 +23,9 @@ int main(int argc, char** argv) {
   const int cost = argc > 1 ? std::atoi(argv[1]) : kSplitCost128;
   int n, k, m;
   while (std::scanf("%d %d %d", &n, &k, &m) == 3) {
-    const int ku = k_units(k), mt = 128;
-    const long long tiles = (long long)div_up(n_units(n), 256 / kUnitN) * div_up(m, mt);
-    int s = choose_splits(tiles, ku, kH200Sms, occ, cost);
-    const int chunk = div_up(ku, s);
-    s = div_up(ku, chunk);
-    std::printf("%d %d %d %d\n", n, k, m, s);
+    const long long tiles = (long long)div_up(n_units(n), 256 / kUnitN) * div_up(m, 128);
+    int chunk = 0;
+    std::printf("%d %d %d %d\n", n, k, m, plan_split(tiles, k_units(k), kH200Sms, occ, cost, 0, &chunk));
   }
   return 0;
 }
