@@ -1,9 +1,10 @@
-// CPU replay of the wgmma kernel's split-K choice at 128-token tiles (kbit_wgmma.cuh,
-// choose_splits with kSplitCost128), built and run by tests/test_wgmma_plan.py with nvcc as
-// host code. Reads "n k m" lines on stdin and prints "n k m splits" for each, with the H200's
-// occupancy at 227 KB CTAs (one per SM; cudaOccupancyMaxActiveClusters measured for s = 1..16,
-// benchmarks/results/wgmma_decode_wg_probe_9f74899.json's session, docs/MMA.md), through
-// plan_split as plan_t. Optional argv[1]: the split cost (KBIT_WGMMA_SPLIT_COST).
+// CPU replay of the wgmma kernel's split-K choice (kbit_wgmma.cuh: tile_m, then choose_splits
+// through plan_split, as plan_t), built and run by tests/test_wgmma_plan.py with nvcc as host
+// code. Reads "n k m" lines on stdin and prints "n k m splits" for each, with the H200's
+// occupancy (cudaOccupancyMaxActiveClusters for s = 1..16, measured on the device for every
+// instantiation, docs/MMA.md): 128-token tiles run one 227 KB CTA per SM; the 16..64-token
+// tiles two ~110 KB CTAs per SM packed, or one per SM spread. Optional argv[1]: the split cost
+// at 128-token tiles (KBIT_WGMMA_SPLIT_COST); smaller tiles keep 0, as plan_t.
 #include <cstdio>
 #include <cstdlib>
 
@@ -14,18 +15,27 @@ using namespace kbit::wg;
 
 int main(int argc, char** argv) {
   constexpr int kH200Sms = 132;
-  const int resident[kMaxSplits + 1] = {0, 132, 66, 39, 30, 22, 17, 15, 15, 9, 7, 7, 7, 7, 7, 7, 7};
-  Occupancy occ;
-  occ.per_sm = 1;
-  occ.spread_bytes = 232448;
-  occ.max_splits = kMaxSplits;
-  for (int s = 1; s <= kMaxSplits; ++s) occ.clusters[s][0] = occ.clusters[s][1] = resident[s];
+  // resident clusters of s CTAs, s = 1..16: one CTA per SM (227 KB, or spread), two per SM (~110 KB)
+  const int one_per_sm[kMaxSplits + 1] = {0, 132, 66, 39, 30, 22, 17, 15, 15, 9, 7, 7, 7, 7, 7, 7, 7};
+  const int two_per_sm[kMaxSplits + 1] = {0, 264, 132, 79, 62, 47, 39, 32, 30, 23, 21, 16, 16, 14, 14, 14, 14};
+  Occupancy occ128, occ64;
+  occ128.per_sm = 1;
+  occ64.per_sm = 2;
+  occ128.spread_bytes = 232448;
+  occ64.spread_bytes = 116736;
+  occ128.max_splits = occ64.max_splits = kMaxSplits;
+  for (int s = 1; s <= kMaxSplits; ++s) {
+    occ128.clusters[s][0] = occ128.clusters[s][1] = occ64.clusters[s][1] = one_per_sm[s];
+    occ64.clusters[s][0] = two_per_sm[s];
+  }
   const int cost = argc > 1 ? std::atoi(argv[1]) : kSplitCost128;
   int n, k, m;
   while (std::scanf("%d %d %d", &n, &k, &m) == 3) {
-    const long long tiles = (long long)div_up(n_units(n), 256 / kUnitN) * div_up(m, 128);
+    const int mt = tile_m(m);
+    const long long tiles = (long long)div_up(n_units(n), 256 / kUnitN) * div_up(m, mt);
     int chunk = 0;
-    std::printf("%d %d %d %d\n", n, k, m, plan_split(tiles, k_units(k), kH200Sms, occ, cost, 0, &chunk));
+    const int s = plan_split(tiles, k_units(k), kH200Sms, mt == 128 ? occ128 : occ64, mt == 128 ? cost : 0, 0, &chunk);
+    std::printf("%d %d %d %d\n", n, k, m, s);
   }
   return 0;
 }
