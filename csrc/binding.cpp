@@ -350,16 +350,17 @@ int64_t wgmma_max_m_op(int64_t bits) {
 }
 
 // The wgmma launch plan on the current device: [tile_m, splits, grid x, grid y, grid z, columns per
-// CTA, CTAs per SM the launch allows, row split (warpgroups sharing a CTA's slabs)].
+// CTA, CTAs per SM the launch allows, row split (warpgroups sharing a CTA's slabs), CTAs per SM the
+// kernel is built for] (kbit_ops.h).
 std::vector<int64_t> wgmma_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits, at::ScalarType dtype,
                                    int64_t splits) {
   check_bits(bits);
   TORCH_CHECK(wgmma_supported(), msg("kbit::wgmma_plan: no wgmma kernel on this build / device"));
   TORCH_CHECK(m > 0 && n > 0 && k > 0 && k % kBlockSize == 0, msg("kbit::wgmma_plan: bad shape"));
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  int out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int out[kWgmmaPlanInts] = {};
   wgmma_plan_info(to_dtype(dtype), int(m), int(n), int(k), int(bits), num_sms, int(splits), out);
-  return std::vector<int64_t>(out, out + 8);
+  return std::vector<int64_t>(out, out + kWgmmaPlanInts);
 }
 
 // ---- BEGIN MMA plan hook (owner: tensor-core kernel, csrc/kbit_mma.cu) ----

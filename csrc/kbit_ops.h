@@ -158,7 +158,9 @@ cudaError_t launch_wgmma(DType dtype, const void* x, const uint32_t* packed, con
 // The launch plan for tests and benchmarks: out = [tile_m, splits, grid x (splits), grid y
 // (token tiles), grid z (column groups), columns per CTA, CTAs per SM the launch allows (1:
 // launched with the shared memory of half an SM so the cluster scheduler cannot pack two CTAs
-// on one SM), row split (warpgroups sharing the CTA's slabs)]: 8 ints.
+// on one SM, or a kernel built for one per SM), row split (warpgroups sharing the CTA's slabs),
+// CTAs per SM the kernel is built for (2, or 1: the producer warpgroup and the wide table)].
+constexpr int kWgmmaPlanInts = 9;
 void wgmma_plan_info(DType dtype, int m, int n, int k, int bits, int num_sms, int splits, int* out);
 
 // Tiled layout -> row-major W rows [n_begin, n_end) into w[(n_end - n_begin), K] (fp16/bf16/fp32),

@@ -32,10 +32,10 @@
 //   * each lane reads back only its own 16 B per plane of its warp's unit (conflict-free LDS.128).
 //   * per K-tile: every thread waits for the stage's mbarrier, then one __syncthreads (every
 //     warp is past the previous tile, so the stage two tiles back may be refilled). Where one
-//     CTA holds the SM (MT = 128), a producer warpgroup issues the copies instead and the
-//     consumers hand stages back through per-stage "empty" mbarriers: no CTA barrier in the
-//     loop (Cfg::kProducer). K=3,4 use the wide-row pair table wherever one CTA holds the SM
-//     (Cfg::kWideLut: 128-token tiles, and the forced 512-column CTAs).
+//     CTA holds the SM (MT = 128, and MT = 64 where one_per_sm takes it), a producer warpgroup
+//     issues the copies instead and the consumers hand stages back through per-stage "empty"
+//     mbarriers: no CTA barrier in the loop (Cfg::kProducer). K=3,4 use the wide-row pair
+//     table wherever one CTA holds the SM (Cfg::kWideLut; also the forced 512-column CTAs).
 //   * split-K across a thread-block cluster (<= 16 CTAs along K), reduced through distributed
 //     shared memory in a fixed order: deterministic, no workspace, one launch (graph safe).
 #pragma once
@@ -73,7 +73,7 @@ constexpr int kSlabs = 4;               // one 64-column layout slab per warp of
 // (choose_splits, kBigClusterChunk).
 constexpr int kMaxSplits = 16;
 constexpr int kPortableSplits = 8;      // the largest cluster every sm_90 launch allows
-constexpr int kPlanInts = 8;            // wgmma_plan_info's out[] (kbit_ops.h)
+constexpr int kPlanInts = kWgmmaPlanInts;  // wgmma_plan_info's out[] (kbit_ops.h)
 // Grid (splits, token tiles, column groups): the token tiles of one column group are launched
 // next to each other, so the W they share is read from DRAM once and from L2 after (0-7% faster
 // at M = 128..512 than column groups first, wgmma_dev.py, H200).
@@ -87,13 +87,18 @@ using Params = StreamParams;  // kbit_common.cuh
 // is still decoded once per CTA; what changes is how many warps share the decode (16 per SM
 // instead of 8 where two CTAs fit an SM) and how many accumulators a thread holds (4 / R sets
 // of MT / 2). The plan (plan_t) picks R; measurements there.
-// MT tokens x CN columns per CTA, row split R.
-template <int BITS, int MT, int CN, int R> struct Cfg {
+// MT tokens x CN columns per CTA, row split R, CPS CTAs per SM (the residency the CTA is built
+// for: its registers, shared memory, and whether a producer warpgroup and the wide table come
+// with it; one_per_sm picks between 2 and 1 at MT = 64).
+template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
   static_assert(MT == 16 || MT == 32 || MT == 64 || MT == 128, "wgmma N (tokens per CTA): 16, 32, 64 or 128");
   static_assert(CN == 256 || (CN == 512 && MT <= 64), "256 columns, or 512 (two warpgroups) up to 64 tokens");
   static_assert(R == 1 || R == 2, "row split: 1 or 2 warpgroups per slab set");
   static_assert(R == 1 || CN == 256, "a row split shares the four slabs of a 256-column CTA");
   static_assert(!(R == 1 && MT == 128), "128 x 64 fp32 accumulators per thread do not fit the registers");
+  static_assert(CPS == 1 || (R == 1 && CN == 256) || (R == 2 && MT <= 64),
+                "two CTAs per SM where a thread's accumulators fit 128 registers (64 fp32, or 128 without the row split)");
+  static_assert(CPS == 2 || !(R == 1 && CN == 256), "256 columns without a row split: two CTAs per SM");
   // CN = 512 (R = 1): two warpgroups of four slabs each share one x tile (half the x traffic
   // per weight).
   static constexpr int kSlabsCta = CN / kUnitN;             // slabs (64 columns) per CTA
@@ -102,8 +107,9 @@ template <int BITS, int MT, int CN, int R> struct Cfg {
   static constexpr int kSets = 4 / R;                       // accumulator sets (row tiles) per thread
   static constexpr int kHalves = R == 1 ? 2 : 1;            // plane words h a warp decodes per block
   // CTAs per SM the kernel is built for (__launch_bounds__): two where they fit (R = 2 at
-  // MT <= 64: 64 accumulators in <= 128 registers, so 16 warps per SM)
-  static constexpr int kCtasPerSm = (R == 1 && CN == 256) || (R == 2 && MT <= 64) ? 2 : 1;
+  // MT <= 64: 64 accumulators in <= 128 registers, so 16 warps per SM), or one with the producer
+  // and the wide table below (MT = 128, 512 columns, and MT = 64 where one_per_sm takes it)
+  static constexpr int kCtasPerSm = CPS;
   // A producer warpgroup (one thread of it) issues every copy and the consumers hand stages
   // back through "empty" mbarriers, so no CTA-wide barrier sits in the loop. Registers are
   // allocated per warpgroup, so it is a whole one, which gives its registers to the consumers
@@ -336,11 +342,11 @@ __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint
   }
 }
 
-template <int BITS, int MT, int CN, int R, typename T>
-__global__ void __launch_bounds__(Cfg<BITS, MT, CN, R>::kThreads, Cfg<BITS, MT, CN, R>::kCtasPerSm)
+template <int BITS, int MT, int CN, int R, int CPS, typename T>
+__global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
     wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap xmap) {
 #if KBIT_WGMMA_DEVICE
-  using C = Cfg<BITS, MT, CN, R>;
+  using C = Cfg<BITS, MT, CN, R, CPS>;
   constexpr int kThreads = C::kConsumers, kSets = C::kSets;  // threads that hold accumulators
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
@@ -630,10 +636,10 @@ struct Occupancy {
   int clusters[kMaxSplits + 1][2] = {};  // [s][spread]; 0 = the API gave no answer
 };
 
-template <int BITS, int MT, int CN, int R, typename T> const Occupancy& occupancy() {
+template <int BITS, int MT, int CN, int R, int CPS, typename T> const Occupancy& occupancy() {
   static const Occupancy occ = [] {
-    using C = Cfg<BITS, MT, CN, R>;
-    const auto kernel = wgmma_kernel<BITS, MT, CN, R, T>;
+    using C = Cfg<BITS, MT, CN, R, CPS>;
+    const auto kernel = wgmma_kernel<BITS, MT, CN, R, CPS, T>;
     Occupancy o;
     int dev = 0, smem_sm = 0, b = 0;
     cudaGetDevice(&dev);
@@ -693,14 +699,14 @@ template <typename T> cudaError_t make_x_map(const Params& p, int mt, CUtensorMa
 
 // Launch one instantiation with `splits` (1..kMaxSplits) CTAs per cluster along K; `spread`:
 // with spread_bytes of shared memory, so that no SM takes two CTAs.
-template <int BITS, int MT, int CN, int R, typename T>
+template <int BITS, int MT, int CN, int R, int CPS, typename T>
 cudaError_t launch_t(const Params& p, int splits, bool spread, cudaStream_t stream) {
   alignas(64) CUtensorMap xmap;
   const cudaError_t e = make_x_map<T>(p, MT, &xmap);
   if (e != cudaSuccess) return e;
-  using C = Cfg<BITS, MT, CN, R>;
-  const auto kernel = wgmma_kernel<BITS, MT, CN, R, T>;
-  const Occupancy& occ = occupancy<BITS, MT, CN, R, T>();  // and the shared-memory opt-in (once)
+  using C = Cfg<BITS, MT, CN, R, CPS>;
+  const auto kernel = wgmma_kernel<BITS, MT, CN, R, CPS, T>;
+  const Occupancy& occ = occupancy<BITS, MT, CN, R, CPS, T>();  // and the shared-memory opt-in (once)
   cudaLaunchConfig_t cfg = {};
   const unsigned gy = div_up(n_units(p.n), C::kSlabsCta), gz = div_up(p.m, MT);
   cfg.gridDim = dim3(splits, gz, gy);  // token tiles first (col_group)
@@ -795,29 +801,68 @@ inline int tile_m(int m) {
   return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
 }
 
-// The instantiations a plan can pick, (MT, CN, R): 512-column CTAs without a row split; R = 1
-// at MT = 16; R = 1 or 2 at MT = 32; R = 2 at MT = 64 and 128. Calls f(MT, CN, R) with the
-// one the plan names, as integral constants (the single list both the occupancy queries and
-// the launch go through).
+// The instantiations a plan can pick, (MT, CN, R, CPS): 512-column CTAs without a row split, one
+// per SM; R = 1 at MT = 16; R = 1 or 2 at MT = 32; R = 2 at MT = 64 (two or one per SM) and 128
+// (one per SM). Calls f(MT, CN, R, CPS) with the one the plan names, as integral constants (the
+// single list both the occupancy queries and the launch go through).
 template <int V> using IntC = std::integral_constant<int, V>;
-template <typename F> decltype(auto) with_instantiation(int mt, int cn, int rs, F&& f) {
+template <typename F> decltype(auto) with_instantiation(int mt, int cn, int rs, int cps, F&& f) {
   if (cn == 512) {
-    if (mt == 16) return f(IntC<16>{}, IntC<512>{}, IntC<1>{});
-    if (mt == 32) return f(IntC<32>{}, IntC<512>{}, IntC<1>{});
-    return f(IntC<64>{}, IntC<512>{}, IntC<1>{});
+    if (mt == 16) return f(IntC<16>{}, IntC<512>{}, IntC<1>{}, IntC<1>{});
+    if (mt == 32) return f(IntC<32>{}, IntC<512>{}, IntC<1>{}, IntC<1>{});
+    return f(IntC<64>{}, IntC<512>{}, IntC<1>{}, IntC<1>{});
   }
   switch (mt) {
-    case 16: return f(IntC<16>{}, IntC<256>{}, IntC<1>{});
-    case 32: return rs == 2 ? f(IntC<32>{}, IntC<256>{}, IntC<2>{}) : f(IntC<32>{}, IntC<256>{}, IntC<1>{});
-    case 64: return f(IntC<64>{}, IntC<256>{}, IntC<2>{});
-    default: return f(IntC<128>{}, IntC<256>{}, IntC<2>{});
+    case 16: return f(IntC<16>{}, IntC<256>{}, IntC<1>{}, IntC<2>{});
+    case 32:
+      return rs == 2 ? f(IntC<32>{}, IntC<256>{}, IntC<2>{}, IntC<2>{}) : f(IntC<32>{}, IntC<256>{}, IntC<1>{}, IntC<2>{});
+    case 64: return cps == 1 ? f(IntC<64>{}, IntC<256>{}, IntC<2>{}, IntC<1>{}) : f(IntC<64>{}, IntC<256>{}, IntC<2>{}, IntC<2>{});
+    default: return f(IntC<128>{}, IntC<256>{}, IntC<2>{}, IntC<1>{});
   }
 }
+// CTAs per SM of an (MT, CN, R) CTA where the plan does not ask for one per SM: two wherever
+// they fit (Cfg)
+inline int default_cps(int mt, int cn, int rs) { return (rs == 1 && cn == 256) || (rs == 2 && mt <= 64) ? 2 : 1; }
 
-template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn, int rs) {
-  return with_instantiation(mt, cn, rs, [](auto m, auto c, auto r) -> const Occupancy& {
-    return occupancy<BITS, decltype(m)::value, decltype(c)::value, decltype(r)::value, T>();
+template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn, int rs, int cps) {
+  return with_instantiation(mt, cn, rs, cps, [](auto m, auto c, auto r, auto q) -> const Occupancy& {
+    return occupancy<BITS, decltype(m)::value, decltype(c)::value, decltype(r)::value, decltype(q)::value, T>();
   });
+}
+
+// One CTA per SM at MT = 64 (Cfg CPS = 1): the producer warpgroup, the wide table at K = 3, 4
+// and eight stages, where two CTAs per SM hold four stages and the packed table. Measured on the
+// H200 (scripts/wgmma_dev.py base against a build of MT = 64 at one per SM, K=4 fp16, L2 flushed,
+// forced splits 1..12 and each plan's own, one call, 2476a70; us at M = 64, two per SM / one):
+// 4096x14336 36.5 / 34.2, 4096x4096 18.1 / 16.7, 6144x4096 21.5 / 19.6, 28672x4096 49.9 / 49.6,
+// 57344x8192 162.3 / 176.9, 8192x28672 88.6 / 105.4 (its best split 106.4). A lone CTA runs a K-tile
+// in ~0.69 us, each of two sharing an SM in ~1.27 (0.64 per SM), so one per SM wins only where
+// it gives no SM more K-tiles than the two-per-SM plan's busiest SM (fewer, longer splits: less
+// cluster reduction and pipeline fill per K-tile) and runs in one wave: layers with few column
+// groups. And only where it is `deeper` (more stages than two per SM have: K = 3..5, whose
+// tables and units leave those 4-6; at K=2 both have 8, and one per SM took Llama-3-8B's
+// gate_up 1.05-1.08x the time at M = 33..64, bench_decode_wgmma_one_per_sm.json). Given the
+// two-per-SM plan (occ2, split *s, *chunk K-tiles a CTA, launched spread or not), returns
+// whether to take one per SM, and then its own split in *s and *chunk (a forced split stays).
+// KBIT_WGMMA_ONE = 0 / 1 forces it off / on at MT = 64 (tuning and tests). plan_t and the CPU
+// replay (tests/cpp/wgmma_splits_test.cu) both go through it.
+template <int BITS> constexpr bool one_per_sm_deeper() {
+  return Cfg<BITS, 64, 256, 2, 1>::kStages > Cfg<BITS, 64, 256, 2, 2>::kStages;
+}
+inline bool one_per_sm(long long tiles, int ku, int num_sms, const Occupancy& occ2, const Occupancy& occ1, int forced,
+                       bool deeper, bool spread, int* s, int* chunk) {
+  int chunk1 = 0;
+  const int s1 = plan_split(tiles, ku, num_sms, occ1, 0, forced, &chunk1);
+  const int force = env_int("KBIT_WGMMA_ONE", -1);
+  bool take = force == 1;
+  if (deeper && force != 0 && force != 1) {
+    const long long per_sm = div_up(tiles * *s, (long long)num_sms);  // CTAs on the busiest SM (one wave)
+    const long long busiest = spread ? 1 : per_sm < occ2.per_sm ? per_sm : occ2.per_sm;
+    const int resident = occ1.clusters[s1][0];  // clusters of s1 that fit at once
+    take = tiles * s1 <= num_sms && resident >= tiles && chunk1 <= busiest * *chunk;
+  }
+  if (take) *s = s1, *chunk = chunk1;
+  return take;
 }
 
 // Row split (Cfg) of a 256-column CTA. Measured on the H200 (wgmma_dev.py, K=4 fp16, L2
@@ -846,26 +891,33 @@ constexpr int kShortChunk = 48;
 // takes them only when forced (KBIT_WGMMA_WIDE=1, for tuning and the tests).
 //
 // The plan of one call: [tile_m, splits, grid x (splits), grid y (token tiles), grid z
-// (column groups), columns per CTA, CTAs per SM the launch allows (1 when spread), row split].
-// `splits` > 0 forces the split factor (clamped to 1..min(the device's largest cluster: 16, or 8
-// without non-portable sizes; K-tiles)).
+// (column groups), columns per CTA, CTAs per SM the launch allows (1 when spread or built for
+// one), row split, CTAs per SM the kernel is built for (one_per_sm)]. `splits` > 0 forces the
+// split factor (clamped to 1..min(the device's largest cluster: 16, or 8 without non-portable
+// sizes; K-tiles)).
 template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, int* out) {
   const int mt = tile_m(p.m);
   const int gz = div_up(p.m, mt);
   const int cn = mt <= 64 && env_int("KBIT_WGMMA_WIDE", 0) == 1 ? 512 : 256;
   const int gy = div_up(n_units(p.n), cn / kUnitN);
+  const long long tiles = (long long)gy * gz;
   // the split from R = 1's occupancy at MT <= 32 (the same two CTAs per SM as R = 2)
   const int rs_split = cn == 512 || mt <= 32 ? 1 : 2;
-  const Occupancy& occ_split = occupancy_for<BITS, T>(mt, cn, rs_split);
+  const Occupancy& occ_split = occupancy_for<BITS, T>(mt, cn, rs_split, default_cps(mt, cn, rs_split));
   const int split_cost = mt == 128 ? env_int("KBIT_WGMMA_SPLIT_COST", kSplitCost128) : 0;
-  const int s = plan_split((long long)gy * gz, p.ku_count, num_sms, occ_split, split_cost, splits, &p.chunk);
+  int s = plan_split(tiles, p.ku_count, num_sms, occ_split, split_cost, splits, &p.chunk);
   int rs = cn == 512 || mt == 16 ? 1 : mt >= 64 || p.chunk <= kShortChunk ? 2 : 1;
   const int rs_force = env_int("KBIT_WGMMA_ROWSPLIT", 0);
   if (cn == 256 && mt == 32 && (rs_force == 1 || rs_force == 2)) rs = rs_force;
-  const Occupancy& occ = occupancy_for<BITS, T>(mt, cn, rs);
-  const bool spread = fits_spread(occ, (long long)gy * gz * s, num_sms) && env_int("KBIT_WGMMA_SPREAD", 1) != 0;
-  out[0] = mt; out[1] = s; out[2] = s; out[3] = gz; out[4] = gy; out[5] = cn; out[6] = spread ? 1 : occ.per_sm;
-  out[7] = rs;
+  int cps = default_cps(mt, cn, rs);
+  const Occupancy& occ = occupancy_for<BITS, T>(mt, cn, rs, cps);
+  bool spread = fits_spread(occ, tiles * s, num_sms) && env_int("KBIT_WGMMA_SPREAD", 1) != 0;
+  if (mt == 64 && cn == 256 &&
+      one_per_sm(tiles, p.ku_count, num_sms, occ, occupancy_for<BITS, T>(64, 256, 2, 1), splits,
+                 one_per_sm_deeper<BITS>(), spread, &s, &p.chunk))
+    cps = 1, spread = false;
+  out[0] = mt; out[1] = s; out[2] = s; out[3] = gz; out[4] = gy; out[5] = cn; out[6] = spread || cps == 1 ? 1 : occ.per_sm;
+  out[7] = rs; out[8] = cps;
 }
 
 template <int BITS, typename T>
@@ -874,9 +926,10 @@ cudaError_t launch_t2(Params p, int splits, int num_sms, cudaStream_t stream, in
   int* pl = plan != nullptr ? plan : local;
   plan_t<BITS, T>(p, splits, num_sms, pl);
   if (plan != nullptr && p.x == nullptr) return cudaSuccess;  // plan query only
-  const bool spread = pl[6] == 1 && occupancy_for<BITS, T>(pl[0], pl[5], pl[7]).per_sm > 1;
-  return with_instantiation(pl[0], pl[5], pl[7], [&](auto m, auto c, auto r) {
-    return launch_t<BITS, decltype(m)::value, decltype(c)::value, decltype(r)::value, T>(p, pl[1], spread, stream);
+  const bool spread = pl[6] == 1 && occupancy_for<BITS, T>(pl[0], pl[5], pl[7], pl[8]).per_sm > 1;
+  return with_instantiation(pl[0], pl[5], pl[7], pl[8], [&](auto m, auto c, auto r, auto q) {
+    return launch_t<BITS, decltype(m)::value, decltype(c)::value, decltype(r)::value, decltype(q)::value, T>(
+        p, pl[1], spread, stream);
   });
 }
 

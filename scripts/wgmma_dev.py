@@ -6,6 +6,8 @@ fp16, L2 flushed, median. Answers "where does the time go" in one device call. E
 sees the same seeded inputs, and its outputs are compared with the first variant's (the
 "maxdiff" column: max |y - y_first| / max |y_first|; probes that skip work differ by design).
 usage: python3 scripts/wgmma_dev.py VARIANT [VARIANT ...]   (VARIANT: comma list of flags, "base" = none)
+env: WGDEV_SHAPES="57344x8192,4096x14336", WGDEV_MS="64,128", WGDEV_SPLITS="0,4,8" (forced split
+factors beside the plan's own, 0; columns VARIANT@sN), WGDEV_ONLY="57344x8192:64" (one case, for ncu)
 """
 import ctypes
 import os
@@ -23,6 +25,8 @@ if os.environ.get("WGDEV_SHAPES"):  # e.g. "57344x8192,4096x14336"
     SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["WGDEV_SHAPES"].split(",")]
 if os.environ.get("WGDEV_MS"):  # e.g. "64,128,256"
     MS = [int(v) for v in os.environ["WGDEV_MS"].split(",")]
+# forced split factors timed beside the plan's own (0), e.g. "0,4,8": columns VARIANT@sN
+SPLITS = [int(v) for v in os.environ.get("WGDEV_SPLITS", "0").split(",")]
 if os.environ.get("WGDEV_ONLY"):  # e.g. "57344x8192:64" (one case, for ncu)
     _s, _m = os.environ["WGDEV_ONLY"].split(":")
     SHAPES, MS = [tuple(int(v) for v in _s.split("x"))], [int(_m)]
@@ -79,14 +83,17 @@ def measure(variant, lib):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             y = torch.empty(m, n, device="cuda", dtype=torch.float16)
             stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-            call = lambda: f(0, ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(packed.data_ptr()),  # noqa: E731
-                             ctypes.c_void_p(ap.data_ptr()), ctypes.c_void_p(cb.data_ptr()),
-                             ctypes.c_void_p(y.data_ptr()), m, n, k, 4, sms, stream, 0)
-            y.fill_(float("nan"))
-            rc = call()
-            torch.cuda.synchronize()
-            torch.save(y.float().cpu(), os.path.join(out_dir, f"y_{n}x{k}_{m}.pt"))
-            print(f"RESULT {n}x{k} M={m} {variant} " + (f"{timer(call):.1f}" if rc == 0 else f"rc={rc}"), flush=True)
+            for sp in SPLITS:
+                call = lambda: f(0, ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(packed.data_ptr()),  # noqa: E731
+                                 ctypes.c_void_p(ap.data_ptr()), ctypes.c_void_p(cb.data_ptr()),
+                                 ctypes.c_void_p(y.data_ptr()), m, n, k, 4, sms, stream, sp)
+                y.fill_(float("nan"))
+                rc = call()
+                torch.cuda.synchronize()
+                tag = "" if sp == 0 else f"@s{sp}"
+                torch.save(y.float().cpu(), os.path.join(out_dir, f"y_{n}x{k}_{m}{tag}.pt"))
+                print(f"RESULT {n}x{k} M={m} {variant}{tag} " + (f"{timer(call):.1f}" if rc == 0 else f"rc={rc}"),
+                      flush=True)
 
 
 def main():
@@ -100,7 +107,7 @@ def main():
     variants = sys.argv[1:] or ["base"]
     with ThreadPoolExecutor(len(variants)) as ex:
         libs = dict(ex.map(build, variants))
-    table = {}
+    table, columns = {}, {}
     first = None
     for v, lib in libs.items():
         try:  # a variant that hangs (a broken hand-off) must not take the whole call with it
@@ -115,6 +122,7 @@ def main():
             if line.startswith("RESULT "):
                 _, shape, m, var, t = line.split()
                 table.setdefault(f"{shape} {m}", {})[var] = t
+                columns.setdefault(var, None)
         first = first or lib
         diffs = []
         for f in sorted(os.listdir(os.path.dirname(lib))):
@@ -125,9 +133,9 @@ def main():
         worst = float("nan") if not diffs or any(d != d for d in diffs) else max(diffs)  # NaN: unwritten output
         print(f"{v}: maxdiff {worst:.2e}", flush=True)
     print("us per call (K=4 fp16, L2 flushed, median of 30)")
-    print(f"{'shape M':<20}" + "".join(f"{v:>22}" for v in libs))
+    print(f"{'shape M':<20}" + "".join(f"{v:>22}" for v in columns))
     for key, row in table.items():
-        print(f"{key:<20}" + "".join(f"{row.get(v, '-'):>22}" for v in libs))
+        print(f"{key:<20}" + "".join(f"{row.get(v, '-'):>22}" for v in columns))
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ if not gemm_cases.have("has_wgmma"):
 
 
 def plan(m, n, k, bits, dtype=torch.float16, splits=0):
-    tile_m, s, gx, gy, gz, cols, per_sm, rows = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
-    return dict(tile_m=tile_m, splits=s, grid=(gx, gy, gz), cols=cols, per_sm=per_sm, row_split=rows)
+    tile_m, s, gx, gy, gz, cols, per_sm, rows, cps = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
+    return dict(tile_m=tile_m, splits=s, grid=(gx, gy, gz), cols=cols, per_sm=per_sm, row_split=rows, built_per_sm=cps)
 
 
 def check(m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0, splits=0):
@@ -111,6 +111,36 @@ def test_row_split(m, rows, monkeypatch):
         check(m, 1000, 4128, bits, dtype, bias=(m % 2 == 1), splits=splits)
 
 
+@pytest.mark.parametrize("one", [0, 1])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_one_per_sm(bits, one, monkeypatch):
+    # 64-token tiles built for one CTA per SM (producer warpgroup, the wide table at K = 3, 4,
+    # eight stages) or for two (one_per_sm in kbit_wgmma.cuh picks): both forced here, at M = 33
+    # and 64, split-K off, forced and the plan's, both dtypes.
+    monkeypatch.setenv("KBIT_WGMMA_ONE", str(one))
+    for m, dtype, splits in ((33, torch.float16, 0), (64, torch.bfloat16, 3), (64, torch.float16, 1),
+                             (48, torch.bfloat16, 0)):
+        p = plan(m, 4104, 4128, bits, dtype, splits)
+        assert p["tile_m"] == 64 and p["built_per_sm"] == (1 if one else 2), p
+        assert p["per_sm"] == 1 or not one, p
+        check(m, 4104, 4128, bits, dtype, bias=(m % 2 == 1), splits=splits)
+
+
+def test_one_per_sm_plan():
+    # the plan takes one CTA per SM at MT = 64 where it runs in one wave and gives no SM more
+    # K-tiles than two per SM would (Llama-3-8B's qkv, o and down projections), not on the wide
+    # layers (H200 measurements in kbit_wgmma.cuh), nor at K=2; never at other tiles
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        for n, k in ((4096, 14336), (4096, 4096), (6144, 4096)):
+            assert plan(64, n, k, 4)["built_per_sm"] == 1, (n, k)
+        for n, k in ((57344, 8192), (8192, 28672)):
+            assert plan(64, n, k, 4)["built_per_sm"] == 2, (n, k)
+    assert plan(32, 4096, 4096, 4)["built_per_sm"] == 2 and plan(16, 4096, 4096, 4)["built_per_sm"] == 2
+    # K=2: two CTAs per SM already hold eight stages (one_per_sm_deeper)
+    assert plan(64, 4096, 4096, 2)["built_per_sm"] == 2 and plan(64, 4096, 4096, 3)["built_per_sm"] == 1
+    assert plan(200, 4096, 4096, 4)["built_per_sm"] == 1
+
+
 def test_row_split_plan():
     # one warpgroup at 16 tokens; two at 64 and 128; at 32 where a CTA runs <= 48 K-tiles
     # (kShortChunk)
@@ -154,6 +184,7 @@ def test_spread_launch(monkeypatch):
     # must not depend on it. Portable cluster sizes only: with K = 14336 the plan would take
     # a packed 12-CTA cluster instead.
     monkeypatch.setenv("KBIT_WGMMA_MAX_SPLITS", "8")
+    monkeypatch.setenv("KBIT_WGMMA_ONE", "0")  # the 64-token tile built for two CTAs per SM
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     n = 64 * 4 * (sms // 8)  # sms // 8 column groups: eight K-splits fill the SMs once
     p = plan(64, n, 14336, 4)

@@ -1,9 +1,10 @@
-"""The wgmma kernel's split-K choice on the CPU: tests/cpp/wgmma_splits_test.cu replays the plan
-(csrc/kbit_wgmma.cuh: tile_m, choose_splits through plan_split) with the H200's occupancy on every
-case of the forced split sweeps in benchmarks/results (bench_gemm.py --sweep-splits, K=4: M = 256..1000
-at 128-token tiles, M = 32..64 at 32- and 64-token tiles), and the pick must run within 4% of the
-fastest forced split measured there (back-to-back timings of one configuration on the big layers
-differ by up to a few %). Skipped without nvcc."""
+"""The wgmma kernel's plan on the CPU: tests/cpp/wgmma_splits_test.cu replays it (csrc/kbit_wgmma.cuh:
+tile_m, choose_splits through plan_split, one_per_sm) with the H200's occupancy on every case of the
+forced split sweeps in benchmarks/results (bench_gemm.py --sweep-splits, K=4: M = 256..1000 at
+128-token tiles; M = 32..64 at 32- and 64-token tiles, the 64-token tile built for two CTAs per SM
+and for one, KBIT_WGMMA_ONE=0 / 1), and the pick (split, CTAs per SM) must run within 4% of the
+fastest forced configuration measured there (back-to-back timings of one configuration on the big
+layers differ by up to a few %). Skipped without nvcc."""
 import collections
 import json
 import os
@@ -14,28 +15,37 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
-# the 8B layers the split cost was fitted to, and Llama-3-70B layers measured after the fit
+# the 8B layers the split cost was fitted to, Llama-3-70B layers measured after the fit, and the
+# 32- / 64-token tiles (a later file's timing of the same configuration replaces an earlier one's)
 SWEEPS = ["bench_gemm_wgmma_splits_m256_1000_9f74899.json", "bench_gemm_wgmma_splits_m320_960_9f74899.json",
-          "bench_gemm_wgmma_splits_70b_cd13f1e.json", "bench_gemm_wgmma_splits_m32_64_2476a70.json"]
-# the sweep whose "auto" runs (the device's own pick) ran today's plan on calls short enough to time
-# stably: the 9f74899 sweeps' "auto" is the plan before kSplitCost128, and on the 70B sweep's
-# compute-bound calls (57344x8192, M >= 576) "auto", timed first, ran 7-10% faster than the same
-# split forced right after it, the clock dropping under sustained load (bench_gemm.py's note)
-AUTO_SWEEPS = ["bench_gemm_wgmma_splits_m32_64_2476a70.json"]
+          "bench_gemm_wgmma_splits_70b_cd13f1e.json", "bench_gemm_wgmma_splits_m32_64_2476a70.json",
+          "bench_gemm_wgmma_splits_m32_64_one_per_sm.json"]
+# the sweep whose "auto" runs without knobs (the device's own pick) ran today's plan on calls short
+# enough to time stably: the 9f74899 sweeps' "auto" is the plan before kSplitCost128, 2476a70's the
+# plan before one_per_sm, and on the 70B sweep's compute-bound calls (57344x8192, M >= 576) "auto",
+# timed first, ran 7-10% faster than the same split forced right after it, the clock dropping under
+# sustained load (bench_gemm.py's note)
+AUTO_SWEEPS = ["bench_gemm_wgmma_splits_m32_64_one_per_sm.json"]
+
+
+def built_per_sm(r):
+    """CTAs per SM the kernel of a sweep record was built for: one at 128-token tiles, and at 64
+    with KBIT_WGMMA_ONE=1; two below."""
+    return 1 if r["m"] > 64 or (r["m"] > 32 and r.get("knobs", {}).get("KBIT_WGMMA_ONE") == "1") else 2
 
 
 def sweep_times(auto=False):
-    """{(n, k, m): {splits: us}} of the forced runs; with auto, {(n, k, m): us} of the plan's own
-    pick timed beside them (the sweeps that recorded it)."""
+    """{(n, k, m): {(splits, CTAs per SM): us}} of the forced runs; with auto, {(n, k, m): us} of
+    the plan's own pick timed beside them without knobs (the sweeps that recorded it)."""
     cases = collections.defaultdict(dict)
     for name in AUTO_SWEEPS if auto else SWEEPS:
         with open(os.path.join(ROOT, "benchmarks", "results", name)) as f:
             for r in json.load(f)["results"]:
-                tag = r["method"].rsplit("-", 1)[-1]
-                if auto and tag == "auto":
-                    cases[(r["n"], r["k"], r["m"])] = r["us"]
+                tag, case = r["method"].rsplit("-", 1)[-1], (r["n"], r["k"], r["m"])
+                if auto and tag == "auto" and not r.get("knobs"):
+                    cases[case] = r["us"]
                 elif not auto and tag.startswith("s"):
-                    cases[(r["n"], r["k"], r["m"])][int(tag[1:])] = r["us"]
+                    cases[case][(int(tag[1:]), built_per_sm(r))] = r["us"]
     return cases
 
 
@@ -51,13 +61,17 @@ def replay(tmp_path_factory):
         stdin = "".join(f"{n} {k} {m}\n" for n, k, m in cases)
         r = subprocess.run([str(exe)] + ([str(cost)] if cost is not None else []), input=stdin,
                            capture_output=True, text=True, timeout=60, check=True)
-        return {tuple(int(v) for v in line.split()[:3]): int(line.split()[3]) for line in r.stdout.splitlines()}
+        # (n, k, m) -> (splits, CTAs per SM)
+        return {tuple(int(v) for v in line.split()[:3]): tuple(int(v) for v in line.split()[3:5])
+                for line in r.stdout.splitlines()}
     return run
 
 
 def test_split_pick_is_near_the_fastest_measured(replay):
     cases = sweep_times()
     assert len(cases) >= 55 + 24 and min(m for _, _, m in cases) == 32
+    # both builds of the 64-token tile were swept
+    assert {cps for (_, _, m), t in cases.items() if 32 < m <= 64 for _, cps in t} == {1, 2}
     picks = replay(cases)
     slow = {c: (picks[c], t[picks[c]] / min(t.values())) for c, t in cases.items() if t[picks[c]] > 1.04 * min(t.values())}
     assert not slow, slow
@@ -67,15 +81,16 @@ def test_split_cost_zero_is_the_old_plan(replay):
     # the plan before kSplitCost128 took a split on 28672x4096 at M = 448..768 that ran 9-14% slower
     cases = sweep_times()
     picks = replay(cases, cost=0)
-    assert picks[(28672, 4096, 704)] > 1 and cases[(28672, 4096, 704)][picks[(28672, 4096, 704)]] > 1.05 * cases[(28672, 4096, 704)][1]
+    t = cases[(28672, 4096, 704)]
+    assert picks[(28672, 4096, 704)][0] > 1 and t[picks[(28672, 4096, 704)]] > 1.05 * t[(1, 1)]
 
 
 def test_replay_models_the_device_plan(replay):
-    # at M = 32..64 the device's own pick ran as fast as the forced split the replay picks (within
-    # 3%): the replay's occupancy tables and tile choice are the device's
+    # at M = 48 and 64 the device's own pick ran as fast as the forced configuration the replay picks
+    # (within 3%): the replay's occupancy tables, tile and CTAs per SM are the device's
     auto = sweep_times(auto=True)
     cases = sweep_times()
-    assert len(auto) >= 24
+    assert len(auto) >= 16
     picks = replay(auto)
     off = {c: (picks[c], us / cases[c][picks[c]]) for c, us in auto.items() if abs(us / cases[c][picks[c]] - 1) > 0.03}
     assert not off, off

@@ -1,10 +1,12 @@
-// CPU replay of the wgmma kernel's split-K choice (kbit_wgmma.cuh: tile_m, then choose_splits
-// through plan_split, as plan_t), built and run by tests/test_wgmma_plan.py with nvcc as host
-// code. Reads "n k m" lines on stdin and prints "n k m splits" for each, with the H200's
-// occupancy (cudaOccupancyMaxActiveClusters for s = 1..16, measured on the device for every
-// instantiation, docs/MMA.md): 128-token tiles run one 227 KB CTA per SM; the 16..64-token
-// tiles two ~110 KB CTAs per SM packed, or one per SM spread. Optional argv[1]: the split cost
-// at 128-token tiles (KBIT_WGMMA_SPLIT_COST); smaller tiles keep 0, as plan_t.
+// CPU replay of the wgmma kernel's plan (kbit_wgmma.cuh: tile_m, choose_splits through
+// plan_split, one_per_sm, as plan_t) for K=4, the sweeps' bit width; built and run by
+// tests/test_wgmma_plan.py with nvcc as host code. Reads "n k m" lines on stdin and prints
+// "n k m splits ctas_per_sm" for each (the CTAs per SM the kernel is built for; KBIT_WGMMA_ONE
+// forces one at MT = 64), with the H200's occupancy (cudaOccupancyMaxActiveClusters for
+// s = 1..16, measured on the device for every instantiation, docs/MMA.md): 128-token tiles and
+// the 64-token tile built for one CTA per SM run one 227 KB CTA per SM; the 16..64-token tiles
+// built for two, two ~110 KB CTAs per SM packed, or one per SM spread. Optional argv[1]: the
+// split cost at 128-token tiles (KBIT_WGMMA_SPLIT_COST); smaller tiles keep 0, as plan_t.
 #include <cstdio>
 #include <cstdlib>
 
@@ -16,17 +18,17 @@ using namespace kbit::wg;
 int main(int argc, char** argv) {
   constexpr int kH200Sms = 132;
   // resident clusters of s CTAs, s = 1..16: one CTA per SM (227 KB, or spread), two per SM (~110 KB)
-  const int one_per_sm[kMaxSplits + 1] = {0, 132, 66, 39, 30, 22, 17, 15, 15, 9, 7, 7, 7, 7, 7, 7, 7};
-  const int two_per_sm[kMaxSplits + 1] = {0, 264, 132, 79, 62, 47, 39, 32, 30, 23, 21, 16, 16, 14, 14, 14, 14};
-  Occupancy occ128, occ64;
+  const int one_sm[kMaxSplits + 1] = {0, 132, 66, 39, 30, 22, 17, 15, 15, 9, 7, 7, 7, 7, 7, 7, 7};
+  const int two_sm[kMaxSplits + 1] = {0, 264, 132, 79, 62, 47, 39, 32, 30, 23, 21, 16, 16, 14, 14, 14, 14};
+  Occupancy occ128, occ64;  // one CTA per SM (MT = 128, and MT = 64 built for one), two
   occ128.per_sm = 1;
   occ64.per_sm = 2;
   occ128.spread_bytes = 232448;
   occ64.spread_bytes = 116736;
   occ128.max_splits = occ64.max_splits = kMaxSplits;
   for (int s = 1; s <= kMaxSplits; ++s) {
-    occ128.clusters[s][0] = occ128.clusters[s][1] = occ64.clusters[s][1] = one_per_sm[s];
-    occ64.clusters[s][0] = two_per_sm[s];
+    occ128.clusters[s][0] = occ128.clusters[s][1] = occ64.clusters[s][1] = one_sm[s];
+    occ64.clusters[s][0] = two_sm[s];
   }
   const int cost = argc > 1 ? std::atoi(argv[1]) : kSplitCost128;
   int n, k, m;
@@ -34,8 +36,12 @@ int main(int argc, char** argv) {
     const int mt = tile_m(m);
     const long long tiles = (long long)div_up(n_units(n), 256 / kUnitN) * div_up(m, mt);
     int chunk = 0;
-    const int s = plan_split(tiles, k_units(k), kH200Sms, mt == 128 ? occ128 : occ64, mt == 128 ? cost : 0, 0, &chunk);
-    std::printf("%d %d %d %d\n", n, k, m, s);
+    int s = plan_split(tiles, k_units(k), kH200Sms, mt == 128 ? occ128 : occ64, mt == 128 ? cost : 0, 0, &chunk);
+    int cps = mt == 128 ? 1 : 2;
+    if (mt == 64 && one_per_sm(tiles, k_units(k), kH200Sms, occ64, occ128, 0, one_per_sm_deeper<4>(),
+                               fits_spread(occ64, tiles * s, kH200Sms), &s, &chunk))
+      cps = 1;
+    std::printf("%d %d %d %d %d\n", n, k, m, s, cps);
   }
   return 0;
 }
