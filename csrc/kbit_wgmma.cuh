@@ -841,11 +841,11 @@ template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn, i
 // cluster reduction and pipeline fill per K-tile) and runs in one wave: layers with few column
 // groups. And only where it is `deeper` (more stages than two per SM have: K = 3..5, whose
 // tables and units leave those 4-6; at K=2 both have 8, and one per SM took Llama-3-8B's
-// gate_up 1.05-1.08x the time at M = 33..64, docs/MMA.md). Given the
-// two-per-SM plan (occ2, split *s, *chunk K-tiles a CTA, launched spread or not), returns
-// whether to take one per SM, and then its own split in *s and *chunk (a forced split stays).
-// KBIT_WGMMA_ONE = 0 / 1 forces it off / on at MT = 64 (tuning and tests). plan_t and the CPU
-// replay (tests/cpp/wgmma_splits_test.cu) both go through it.
+// gate_up 1.05-1.08x the time at M = 33..64, docs/MMA.md).
+// Given the two-per-SM plan (occ2, split *s, *chunk K-tiles a CTA, launched spread or not),
+// returns whether to take one per SM, and then its own split in *s and *chunk (a forced split
+// stays). KBIT_WGMMA_ONE = 0 / 1 forces it off / on at MT = 64 (tuning and tests). plan_t and
+// the CPU replay (tests/cpp/wgmma_splits_test.cu) both go through it.
 template <int BITS> constexpr bool one_per_sm_deeper() {
   return Cfg<BITS, 64, 256, 2, 1>::kStages > Cfg<BITS, 64, 256, 2, 2>::kStages;
 }
