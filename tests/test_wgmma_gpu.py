@@ -135,9 +135,10 @@ def test_one_per_sm_plan():
             assert plan(64, n, k, 4)["built_per_sm"] == 1, (n, k)
         for n, k in ((57344, 8192), (8192, 28672)):
             assert plan(64, n, k, 4)["built_per_sm"] == 2, (n, k)
-    assert plan(32, 4096, 4096, 4)["built_per_sm"] == 2 and plan(16, 4096, 4096, 4)["built_per_sm"] == 2
+        assert plan(64, 4096, 4096, 3)["built_per_sm"] == 1
     # K=2: two CTAs per SM already hold eight stages (one_per_sm_deeper)
-    assert plan(64, 4096, 4096, 2)["built_per_sm"] == 2 and plan(64, 4096, 4096, 3)["built_per_sm"] == 1
+    assert plan(64, 4096, 4096, 2)["built_per_sm"] == 2
+    assert plan(32, 4096, 4096, 4)["built_per_sm"] == 2 and plan(16, 4096, 4096, 4)["built_per_sm"] == 2
     assert plan(200, 4096, 4096, 4)["built_per_sm"] == 1
 
 
