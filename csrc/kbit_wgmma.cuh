@@ -87,6 +87,10 @@ using Params = StreamParams;  // kbit_common.cuh
 // is still decoded once per CTA; what changes is how many warps share the decode (16 per SM
 // instead of 8 where two CTAs fit an SM) and how many accumulators a thread holds (4 / R sets
 // of MT / 2). The plan (plan_t) picks R; measurements there.
+// CTAs per SM of an (MT, CN, R) CTA unless the plan asks for one per SM (one_per_sm): two
+// wherever a thread's accumulators fit 128 registers (64 fp32 with the row split at MT <= 64,
+// 128 without it at 256 columns), else one.
+constexpr int default_cps(int mt, int cn, int rs) { return (rs == 1 && cn == 256) || (rs == 2 && mt <= 64) ? 2 : 1; }
 // MT tokens x CN columns per CTA, row split R, CPS CTAs per SM (the residency the CTA is built
 // for: its registers, shared memory, and whether a producer warpgroup and the wide table come
 // with it; one_per_sm picks between 2 and 1 at MT = 64).
@@ -96,8 +100,7 @@ template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
   static_assert(R == 1 || R == 2, "row split: 1 or 2 warpgroups per slab set");
   static_assert(R == 1 || CN == 256, "a row split shares the four slabs of a 256-column CTA");
   static_assert(!(R == 1 && MT == 128), "128 x 64 fp32 accumulators per thread do not fit the registers");
-  static_assert(CPS == 1 || (R == 1 && CN == 256) || (R == 2 && MT <= 64),
-                "two CTAs per SM where a thread's accumulators fit 128 registers (64 fp32, or 128 without the row split)");
+  static_assert(CPS == 1 || default_cps(MT, CN, R) == 2, "two CTAs per SM only where their accumulators fit");
   static_assert(CPS == 2 || !(R == 1 && CN == 256), "256 columns without a row split: two CTAs per SM");
   // CN = 512 (R = 1): two warpgroups of four slabs each share one x tile (half the x traffic
   // per weight).
@@ -739,6 +742,12 @@ cudaError_t launch_t(const Params& p, int splits, bool spread, cudaStream_t stre
 //     occupancy API's count of resident clusters says when.
 // A grid of `ctas` that can launch spread: an SM could hold more than one, and the grid fits one per SM.
 inline bool fits_spread(const Occupancy& occ, long long ctas, int num_sms) { return occ.per_sm > 1 && ctas <= num_sms; }
+// CTAs on the busiest SM of a one-wave grid of `ctas`: one when launched spread, else as many as
+// the grid puts on an SM, at most what fits.
+inline long long busiest_ctas(const Occupancy& occ, long long ctas, int num_sms, bool spread) {
+  const long long per_sm = div_up(ctas, (long long)num_sms);
+  return spread ? 1 : per_sm < occ.per_sm ? per_sm : occ.per_sm;
+}
 
 //   * clusters of 9..16 CTAs pay only where each CTA keeps a long K range: with 16 K-tiles or
 //     more a CTA, 4096x14336 took 30.4 against 35.3 us at M = 32 and 36.5 against 37.9 at
@@ -770,8 +779,7 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
     const int resident = occ.clusters[s][spread] > 0 ? occ.clusters[s][spread]
                                                      : num_sms * (spread ? 1 : occ.per_sm) / s;
     const long long waves = div_up(tiles, (long long)(resident > 0 ? resident : 1));
-    const long long per_sm = div_up(ctas, (long long)num_sms);  // CTAs on the busiest SM (one wave)
-    const long long busiest = spread ? 1 : per_sm < occ.per_sm ? per_sm : occ.per_sm;
+    const long long busiest = busiest_ctas(occ, ctas, num_sms, spread);
     const long long per_cta = div_up(ku, s) * (busiest >= 2 ? kShared : kAlone) + kFixed + (s > 1 ? split_cost : 0);
     const long long cost = waves * per_cta;
     if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
@@ -820,9 +828,6 @@ template <typename F> decltype(auto) with_instantiation(int mt, int cn, int rs, 
     default: return f(IntC<128>{}, IntC<256>{}, IntC<2>{}, IntC<1>{});
   }
 }
-// CTAs per SM of an (MT, CN, R) CTA where the plan does not ask for one per SM: two wherever
-// they fit (Cfg)
-inline int default_cps(int mt, int cn, int rs) { return (rs == 1 && cn == 256) || (rs == 2 && mt <= 64) ? 2 : 1; }
 
 template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn, int rs, int cps) {
   return with_instantiation(mt, cn, rs, cps, [](auto m, auto c, auto r, auto q) -> const Occupancy& {
@@ -851,16 +856,13 @@ template <int BITS> constexpr bool one_per_sm_deeper() {
 }
 inline bool one_per_sm(long long tiles, int ku, int num_sms, const Occupancy& occ2, const Occupancy& occ1, int forced,
                        bool deeper, bool spread, int* s, int* chunk) {
+  const int force = env_int("KBIT_WGMMA_ONE", -1);
+  if (force == 0 || (force != 1 && !deeper)) return false;
   int chunk1 = 0;
   const int s1 = plan_split(tiles, ku, num_sms, occ1, 0, forced, &chunk1);
-  const int force = env_int("KBIT_WGMMA_ONE", -1);
-  bool take = force == 1;
-  if (deeper && force != 0 && force != 1) {
-    const long long per_sm = div_up(tiles * *s, (long long)num_sms);  // CTAs on the busiest SM (one wave)
-    const long long busiest = spread ? 1 : per_sm < occ2.per_sm ? per_sm : occ2.per_sm;
-    const int resident = occ1.clusters[s1][0];  // clusters of s1 that fit at once
-    take = tiles * s1 <= num_sms && resident >= tiles && chunk1 <= busiest * *chunk;
-  }
+  const int resident = occ1.clusters[s1][0];  // clusters of s1 that fit at once
+  const bool take = force == 1 || (tiles * s1 <= num_sms && resident >= tiles &&
+                                   chunk1 <= busiest_ctas(occ2, tiles * *s, num_sms, spread) * *chunk);
   if (take) *s = s1, *chunk = chunk1;
   return take;
 }
