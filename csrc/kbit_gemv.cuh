@@ -470,30 +470,52 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   if (splits > 1) __trap();
   __syncthreads();
 #endif
-  // CTA `split` of the cluster finishes elements [e0, e1) of the slabs' kSlabs * kAcc * 32
-  const int per = (kSlabs * kAcc * 32 + splits - 1) / splits;
-  const int e0 = split * per, e1 = min(kSlabs * kAcc * 32, e0 + per);
+  // CTA `split` of the cluster finishes elements [e0, e1) of the slabs' kSlabs * kAcc * 32, four
+  // at a time: lanes 4c..4c+3 of one accumulator register i, i.e. one column and rows
+  // 8 mt + (j & 1) + {0, 2, 4, 6}. Every rank's 16-byte load is issued before the first sum
+  // (ranks unrolled to kMaxSplits). One element and one rank at a time, each remote load waited
+  // out its latency before the next: 28672x4096 at M = 12 / 16 (16 slabs a CTA, clusters of
+  // four: 32 loads a thread) took 26.5 / 26.7 us against 25.5 / 25.7 now, the 8B decode step at
+  // K = 2..5 0.9-1.7% longer at M = 12 / 16, 0.3-0.8% at M = 1 (H200, both alternated twice in one
+  // call, bench_decode_gemv_cluster_final_pass_ab.json). Same order of sums (0, then rank 0, 1,
+  // ...): the same bits.
+  constexpr int kElems = kSlabs * kAcc * 32;
+  const int per = div_up(div_up(kElems, splits), 4) * 4;
+  const int e0 = split * per, e1 = min(kElems, e0 + per);
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
-  for (int e = e0 + threadIdx.x; e < e1; e += kThreads) {
-    const int i = (e >> 5) % kAcc, l = e & 31;  // i = (pair * MT + mt) * 4 + j
+  for (int e = e0 + 4 * threadIdx.x; e < e1; e += 4 * kThreads) {
+    const int i = (e >> 5) % kAcc;  // i = (pair * MT + mt) * 4 + j
     const int j = i & 3, mt = (i >> 2) % MT, pr = (i >> 2) / MT;
-    const int row = 8 * mt + 2 * (l & 3) + (j & 1);
-    const int col = (blockIdx.x * kSlabs + e / (kAcc * 32)) * kUnitN + 8 * (2 * pr + (j >> 1)) + (l >> 2);
-    if (row < p.m && col < p.n) {
-      float s = 0.f;
+    const int row0 = 8 * mt + (j & 1);  // row of lane 4c; lane 4c + q is row0 + 2q
+    const int col = (blockIdx.x * kSlabs + e / (kAcc * 32)) * kUnitN + 8 * (2 * pr + (j >> 1)) + ((e & 31) >> 2);
+    if (row0 >= p.m || col >= p.n) continue;
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      if (splits > 1) {
-        for (int r = 0; r < splits; ++r) s += cluster.map_shared_rank(part, r)[e];
-      } else {
-        s = part[e];
-      }
-#else
-      s = part[e];
+    if (splits > 1) {
+      float4 v[kMaxSplits];
+#pragma unroll
+      for (int r = 0; r < kMaxSplits; ++r)
+        if (r < splits) v[r] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(part, r) + e);
+#pragma unroll
+      for (int r = 0; r < kMaxSplits; ++r)
+        if (r < splits) s.x += v[r].x, s.y += v[r].y, s.z += v[r].z, s.w += v[r].w;
+    } else
 #endif
-      float v = kScaleW ? s : 16.f * s;  // the fp32 scales were E4M4 / 16
-      if (bias != nullptr) v += to_float(bias[col]);
-      y[(long long)row * p.n + col] = from_float<T>(v);
+    {
+      const float4 v = *reinterpret_cast<const float4*>(part + e);
+      s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+    }
+    const float sq[4] = {s.x, s.y, s.z, s.w};
+    const float b = bias != nullptr ? to_float(bias[col]) : 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int row = row0 + 2 * q;
+      if (row < p.m) {
+        float v = kScaleW ? sq[q] : 16.f * sq[q];  // the fp32 scales were E4M4 / 16
+        if (bias != nullptr) v += b;
+        y[(long long)row * p.n + col] = from_float<T>(v);
+      }
     }
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
