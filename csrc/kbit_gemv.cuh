@@ -473,12 +473,12 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   // CTA `split` of the cluster finishes elements [e0, e1) of the slabs' kSlabs * kAcc * 32, four
   // at a time: lanes 4c..4c+3 of one accumulator register i, i.e. one column and rows
   // 8 mt + (j & 1) + {0, 2, 4, 6}. Every rank's 16-byte load is issued before the first sum
-  // (ranks unrolled to kMaxSplits). One element and one rank at a time, each remote load waited
-  // out its latency before the next: 28672x4096 at M = 12 / 16 (16 slabs a CTA, clusters of
-  // four: 32 loads a thread) took 26.5 / 26.7 us against 25.5 / 25.7 now, the 8B decode step at
-  // K = 2..5 0.9-1.7% longer at M = 12 / 16, 0.3-0.8% at M = 1 (H200, both alternated twice in one
-  // call, bench_decode_gemv_cluster_final_pass_ab.json). Same order of sums (0, then rank 0, 1,
-  // ...): the same bits.
+  // (ranks unrolled to kMaxSplits, to which launch_gemv clamps S). One element and one rank at
+  // a time, each remote load waited out its latency before the next: 28672x4096 at M = 12 / 16
+  // (16 slabs a CTA, clusters of four: 32 loads a thread) took 26.5 / 26.7 us against 25.5 /
+  // 25.7 now, the 8B decode step at K = 2..5 0.9-1.7% longer at M = 12 / 16, 0.3-0.8% at M = 1
+  // (H200, both alternated twice in one call, bench_decode_gemv_cluster_final_pass_ab.json).
+  // The sums run in the same order as before (rank 0, 1, ...).
   constexpr int kElems = kSlabs * kAcc * 32;
   const int per = div_up(div_up(kElems, splits), 4) * 4;
   const int e0 = split * per, e1 = min(kElems, e0 + per);
