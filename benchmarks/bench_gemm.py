@@ -221,16 +221,17 @@ def main():
         sweep_path = "wgmma" if args.path == "wgmma" else "gemv"
         # the plan's tuning knobs this run was given (e.g. KBIT_WGMMA_ONE=1), with every record
         knobs = {k: v for k, v in os.environ.items() if k.startswith(("KBIT_WGMMA_", "KBIT_GEMV_"))}
+        extra = {"knobs": knobs} if knobs else {}
         for n, k in shapes:
             for bits in bits_list:
                 run, wb = kbit_method(n, k, bits, PATHS[sweep_path], 0)
                 for m in (ms if sweep_path == "wgmma" else (1, 16)):
                     x = torch.randn(m, k, dtype=DT, device="cuda")
                     record(n, k, m, f"kbit{bits}-{sweep_path}-auto", timer(lambda: run(x, PATHS[sweep_path], 0)), wb,
-                           bits=bits, splits=0, **({"knobs": knobs} if knobs else {}))
+                           bits=bits, splits=0, **extra)
                     for sp in range(1, 17 if sweep_path == "wgmma" else 9):
                         record(n, k, m, f"kbit{bits}-{sweep_path}-s{sp}", timer(lambda: run(x, PATHS[sweep_path], sp)),
-                               wb, bits=bits, splits=sp, **({"knobs": knobs} if knobs else {}))
+                               wb, bits=bits, splits=sp, **extra)
                 del run
                 torch.cuda.empty_cache()
     else:

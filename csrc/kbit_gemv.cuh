@@ -453,11 +453,12 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
       for (int j = 0; j < 4; ++j) red[(warp_cta * kAcc + (i * MT + mt) * 4 + j) * 32 + lane] = acc[i][mt][j];
   __syncthreads();
   // part[slab][e]: the sum over that slab's warps (warp_cta = slab * kWarps + warp)
+  constexpr int kElems = kSlabs * kAcc * 32;
   // four elements (one register i, four lanes) per thread, 16-byte loads and store, the sums in
   // the same order: the 8B decode step at M = 16 0.4-1.3% faster than with one element a thread
   // (K = 2..5; at M = 1 from 1.0% faster to 0.2% slower; H200, alternated twice in one call,
   // bench_decode_gemv_vec_sum_ab.json)
-  for (int e = 4 * threadIdx.x; e < kSlabs * kAcc * 32; e += 4 * kThreads) {
+  for (int e = 4 * threadIdx.x; e < kElems; e += 4 * kThreads) {
     const float* r = red + e + (e / (kAcc * 32)) * (kWarps - 1) * kAcc * 32;
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -478,7 +479,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   if (splits > 1) __trap();
   __syncthreads();
 #endif
-  // CTA `split` of the cluster finishes elements [e0, e1) of the slabs' kSlabs * kAcc * 32, four
+  // CTA `split` of the cluster finishes elements [e0, e1) of the slabs' kElems, four
   // at a time: lanes 4c..4c+3 of one accumulator register i, i.e. one column and rows
   // 8 mt + (j & 1) + {0, 2, 4, 6}. Every rank's 16-byte load is issued before the first sum
   // (ranks unrolled to kMaxSplits, to which launch_gemv clamps S). One element and one rank at
@@ -487,7 +488,6 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   // 25.7 now, the 8B decode step at K = 2..5 0.9-1.7% longer at M = 12 / 16, 0.3-0.8% at M = 1
   // (H200, both alternated twice in one call, bench_decode_gemv_cluster_final_pass_ab.json).
   // The sums run in the same order as before (rank 0, 1, ...).
-  constexpr int kElems = kSlabs * kAcc * 32;
   const int per = div_up(div_up(kElems, splits), 4) * 4;
   const int e0 = split * per, e1 = min(kElems, e0 + per);
   const T* bias = static_cast<const T*>(p.bias);
