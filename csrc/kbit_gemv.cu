@@ -18,6 +18,40 @@ extern template cudaError_t launch_bits<5>(DType, const Params&, int, int, int, 
 
 size_t gemv_workspace_bytes(int, int, int, int, int) { return 0; }
 
+namespace {
+// Stands in for any CTA that fills an SM's shared memory (the x-resident GEMV CTAs): how many
+// clusters of four such CTAs the device runs at once. A cluster sits in one GPC, so this is
+// below SMs / 4 where GPCs hold a number of SMs that four does not divide (H200: 30, not 33).
+__global__ void one_per_sm_cta() {}
+
+int clusters_of_four() {
+  static int cached[64];  // per device: value + 1, 0 = not asked yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  if (cached[dev] == 0) {
+    const int smem = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
+    int n = 0;
+    if (cudaFuncSetAttribute(one_per_sm_cta, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(4, 1, 1);
+      cfg.blockDim = dim3(512, 1, 1);
+      cfg.dynamicSmemBytes = smem;
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = 4;
+      attr.val.clusterDim.y = 1;
+      attr.val.clusterDim.z = 1;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&n, one_per_sm_cta, &cfg) != cudaSuccess) n = 0;
+    }
+    cudaGetLastError();  // an unanswered query leaves no sticky error behind
+    cached[dev] = n + 1;
+  }
+  return cached[dev] - 1;
+}
+}  // namespace
+
 cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,
                         const float* codebook, const void* bias, void* y, void* /*workspace*/, int m, int n, int k,
                         int bits, int num_sms, cudaStream_t stream, int splits) {
@@ -33,7 +67,8 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   static const bool xr_off = env_off("KBIT_GEMV_XRES");  // (read once) never x resident
   const bool xr_layout = clusters && gemv::xr_fits();  // the device gives a CTA the resident layout
   const bool resident_ok = !xr_off && xr_layout;
-  const gemv::Plan plan = gemv::choose_plan(m, n_units(n), p.ku_count, bits, sms, resident_ok);
+  const int clusters4 = xr_layout ? clusters_of_four() : 0;
+  const gemv::Plan plan = gemv::choose_plan(m, n_units(n), p.ku_count, bits, sms, clusters4, resident_ok);
   int s = splits > 0 ? splits : plan.splits;
   if (s > gemv::kMaxSplits) s = gemv::kMaxSplits;
   if (s > p.ku_count) s = p.ku_count;
@@ -45,19 +80,20 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   // the classic kernels run with the resident plan's 16 warps, not the classic plan's choice
   // (slower for some shapes, not wrong; never in production, which forces no split).
   if (slabs > 0 && splits > 0)
-    slabs = gemv::choose_xr(m, n_units(n), p.ku_count, bits, sms, s).slabs;
-  // KBIT_GEMV_XR_SLABS = 2 | 4 | 16 (tests and tuning; read once): x resident with that G
+    slabs = gemv::choose_xr(m, n_units(n), p.ku_count, bits, sms, clusters4, s).slabs;
+  // KBIT_GEMV_XR_SLABS = 2 | 4 | 15 | 16 (tests and tuning; read once): x resident with that G
   // wherever the device and the K range allow, whatever the model says
   static const int force_slabs = env_int("KBIT_GEMV_XR_SLABS", 0);
-  if ((force_slabs == 2 || force_slabs == 4 || force_slabs == 16) && xr_layout) {
-    const gemv::XrPlan xr = gemv::choose_xr(m, n_units(n), p.ku_count, bits, sms, splits > 0 ? s : 0, force_slabs);
+  if ((force_slabs == 2 || force_slabs == 4 || force_slabs == gemv::kXrFillSlabs || force_slabs == 16) && xr_layout) {
+    const gemv::XrPlan xr =
+        gemv::choose_xr(m, n_units(n), p.ku_count, bits, sms, clusters4, splits > 0 ? s : 0, force_slabs);
     if (xr.slabs > 0) {
       slabs = xr.slabs;
       if (splits <= 0) s = xr.splits, p.chunk = div_up(p.ku_count, s);
     }
   }
   if (slabs > 0) {
-    warps = gemv::kWideWarps;
+    warps = gemv::xr_warps(slabs);
   } else if (force_warps == gemv::kNarrowWarps || force_warps == gemv::kWarps || force_warps == gemv::kWideWarps) {
     warps = force_warps;
   } else if (splits > 0 && warps == gemv::kWideWarps && (long long)n_units(n) * s > num_sms) {

@@ -576,7 +576,7 @@ cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
   return launch_t<BITS, MT, T, W, false, kXs>(p, splits, stream);
 }
 
-// x resident: 16-warp CTAs of G slabs (one of kXrSlabs). K=3,4 with 4 or 16 slabs read the
+// x resident: 16-warp CTAs of G slabs (one of kXrSlabs), or 15-warp CTAs of 15 (kXrFillSlabs). K=3,4 with 4 or 16 slabs read the
 // wide-row table where the CTA's K range fits beside it (Smem::kXrUnits: 44 units at M > 8, 88
 // at M <= 8, against 72 / 144 with the packed table). Against the packed table
 // (KBIT_GEMV_XR_WIDE=0, which keeps it here alone; alternated twice in one call, H200,
@@ -587,13 +587,14 @@ cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
 // slower beyond 1%. KBIT_GEMV_WIDE_LUT=0 keeps the packed table too (everywhere; same bits).
 template <int BITS, int MT, typename T, int G>
 cudaError_t launch_xr_g(const Params& p, int splits, cudaStream_t stream) {
+  constexpr int W = xr_warps(G);
   if constexpr (Traits<BITS>::kLutEntries > 0 && G != 2) {  // (G = 2 with the wide rows: not measured)
-    using Wide = Smem<BITS, MT, kWideWarps, true, true, G>;
+    using Wide = Smem<BITS, MT, W, true, true, G>;
     static const bool wide = !env_off("KBIT_GEMV_XR_WIDE") && !env_off("KBIT_GEMV_WIDE_LUT");
     if (wide && p.chunk <= Wide::kXrUnits && device_fits<Wide>())
-      return launch_t<BITS, MT, T, kWideWarps, true, true, G>(p, splits, stream);
+      return launch_t<BITS, MT, T, W, true, true, G>(p, splits, stream);
   }
-  return launch_t<BITS, MT, T, kWideWarps, false, true, G>(p, splits, stream);
+  return launch_t<BITS, MT, T, W, false, true, G>(p, splits, stream);
 }
 
 template <int BITS, int MT, typename T>
@@ -601,6 +602,7 @@ cudaError_t launch_xr(const Params& p, int splits, int slabs, cudaStream_t strea
   switch (slabs) {
     case 2: return launch_xr_g<BITS, MT, T, 2>(p, splits, stream);
     case 4: return launch_xr_g<BITS, MT, T, 4>(p, splits, stream);
+    case kXrFillSlabs: return launch_xr_g<BITS, MT, T, kXrFillSlabs>(p, splits, stream);
     case 16: return launch_xr_g<BITS, MT, T, 16>(p, splits, stream);
   }
   return cudaErrorInvalidValue;
@@ -628,7 +630,7 @@ cudaError_t launch_dt(const Params& p, int splits, int warps, int slabs, cudaStr
 // Entry point of one bit width (instantiated in generated/gemv_k<BITS>.cu); `warps` per CTA:
 // kNarrowWarps, kWarps or kWideWarps at M <= 8; at M > 8 kNarrowWarps or kWideWarps with x
 // through shared memory, or kWarps with x in registers where the device cannot give a CTA the
-// ring. `slabs` > 0 (one of kXrSlabs): 16-warp CTAs of that many slabs, x resident.
+// ring. `slabs` > 0 (kXrSlabs, kXrFillSlabs): CTAs of that many slabs, x resident (xr_warps).
 template <int BITS>
 cudaError_t launch_bits(DType dtype, const Params& p, int splits, int warps, int slabs, cudaStream_t stream) {
   if (dtype == DType::kHalf) return launch_dt<BITS, __half>(p, splits, warps, slabs, stream);

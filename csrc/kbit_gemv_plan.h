@@ -31,6 +31,17 @@ constexpr int kMaxSplits = 8;             // portable cluster size
 // the loop. Up to xr_max_units(MT) units of K per CTA (the split takes the rest). At M <= 8
 // (one n8 tile, 1152 B of x a unit) the same, with the register kernels' stage count.
 constexpr int kXrSlabs[] = {2, 4, 16};
+// Clusters of four one-warp-per-slab CTAs (S = 4 below) may instead hold 15 slabs in 15 warps,
+// where that puts more of them to work in one wave: Llama-3-8B's gate_up (448 slabs) runs 30
+// clusters (120 SMs) instead of 28 (112). A cluster of four must sit in one GPC, so the H200
+// holds 30 such clusters at once, not 132 / 4 = 33 (kbit_gemv.cu asks the device: clusters4);
+// 14 slabs (32 clusters) ran two waves, 1.7-2.2x the time. Against 16 slabs (H200, alternated
+// twice in one call, bench_decode_gemv_g15_5c74794.json), gate_up at M = 6..16 K = 3 / 4 / 5
+// (K=5 from M = 12): 0-1.1% / 0-3.1% / 2.0-2.5% faster; the 8B step 0.3-1.0%, about the
+// run-to-run spread (K=5 at M = 6, 8, whose plan did not change: -0.5, -0.6%).
+constexpr int kXrFillSlabs = 15;
+// warps of an x-resident CTA of g slabs: 16, or one a slab for the 15-slab CTAs
+__host__ __device__ constexpr int xr_warps(int g) { return g == kXrFillSlabs ? kXrFillSlabs : kWideWarps; }
 // M > 8: (227 KB - the 64 KB reduction scratch) / 2304 B of x a unit, rounded down; M <= 8:
 // the same 162 KB of x rows (144 x 1152 B), enough for K = 9216 at S = 1
 __host__ __device__ constexpr int xr_max_units(int mt) { return mt == 2 ? 72 : 144; }
@@ -60,7 +71,7 @@ __host__ __device__ constexpr int xr_max_units(int mt) { return mt == 2 ? 72 : 1
 // split (up to 4 SMs / NU), more waves of 8-warp CTAs than its own plan would take. Slower,
 // not wrong; the fix is to decide x's route before the plan and pass it in.
 struct Plan {
-  int splits, warps, slabs = 0;  // slabs > 0: x resident, that many slabs per 16-warp CTA
+  int splits, warps, slabs = 0;  // slabs > 0: x resident, that many slabs per CTA of xr_warps(slabs)
 };
 
 // Estimated time of a plan, in units of one warp's unit time: the busiest warp's units, each
@@ -100,7 +111,11 @@ inline double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int wa
 // layout stores nibble words (eighteenth session): 8B step at M = 6 / 8 / 12 / 16 1700 / 1756 /
 // 2117 / 2133 against 1805 / 1880 / 2137 / 2142 us; at K=5 the discount was 0.4% faster to 1.4%
 // slower (bench_decode_gemv_s4_rank_k3_k5_cbea5e3.json, both plans alternated twice in one call).
-// `forced_s` > 0 fixes S, `forced_g` > 0 G. G = 0 where no K range fits.
+// `forced_s` > 0 fixes S, `forced_g` > 0 G (kXrFillSlabs only when forced). G = 0 where no K
+// range fits. `clusters4`: clusters of four one-per-SM CTAs the device holds at once (H200: 30).
+// Where G = 16, S = 4 wins, G = 15 replaces it if it makes more clusters that still fit one wave
+// (kXrFillSlabs, above). The wave check counts clusters: by SMs / 4, 481..528 slabs (32768
+// columns, say) would take S = 4 in two waves.
 constexpr int kS4Min = 8;
 // the smallest bit width that takes S = 4 (above); KBIT_GEMV_DEV_NO_K3S4 (probe builds, A/B):
 // K=3 out, the plan before bench_gemv_k3_s4_d372645.json
@@ -113,26 +128,32 @@ struct XrPlan {
   int splits, slabs;
   double cost, rank;  // the model's lowest cost over the candidates; this one's rank (kS4Unit)
 };
-inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, int forced_s, int forced_g = 0) {
+inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, int clusters4, int forced_s, int forced_g = 0) {
   XrPlan best = {1, 0, 0.0, 0.0};
   double min_cost = -1.0;
   const int max_units = xr_max_units(m > kGemvOneTileM ? 2 : 1);
-  for (const int g : kXrSlabs) {
-    if (forced_g > 0 && g != forced_g) continue;
-    const int s_lo = forced_s > 0 ? forced_s : 1, s_hi = forced_s > 0 ? forced_s : g == kWideWarps ? 4 : 2;
+  for (const int g : {kXrSlabs[0], kXrSlabs[1], kXrSlabs[2], kXrFillSlabs}) {
+    if ((forced_g > 0 && g != forced_g) || (g == kXrFillSlabs && forced_g != g)) continue;
+    const int warps = xr_warps(g);
+    const int s_lo = forced_s > 0 ? forced_s : 1, s_hi = forced_s > 0 ? forced_s : warps == g ? 4 : 2;
     for (int s = s_lo; s <= s_hi && s <= ku; ++s) {
       const int chunk = div_up(ku, s), se = div_up(ku, chunk);
       if (chunk > max_units) continue;
       if (forced_s <= 0 && se > 2 &&
-          (se != 4 || bits < kS4MinBits || chunk < kS4Min || (long long)div_up(nu, g) * se > num_sms))
+          (se != 4 || bits < kS4MinBits || chunk < kS4Min || div_up(nu, g) > clusters4))
         continue;
-      const double cost = plan_cost(m, nu, ku, num_sms, se, g, kWideWarps, 1);
-      const double rank = plan_cost(m, nu, ku, num_sms, se, g, kWideWarps, 1, bits == 3 || bits == 4);
+      const double cost = plan_cost(m, nu, ku, num_sms, se, g, warps, 1);
+      const double rank = plan_cost(m, nu, ku, num_sms, se, g, warps, 1, bits == 3 || bits == 4);
       min_cost = min_cost < 0 || cost < min_cost ? cost : min_cost;
       if (best.slabs == 0 || rank < best.rank - 1e-9 || (rank < best.rank + 1e-9 && g > best.slabs))
         best = {se, g, cost, rank};
     }
   }
+#ifndef KBIT_GEMV_DEV_NO_G15  // (probe builds, A/B: the plan before)
+  if (forced_g <= 0 && best.slabs == kWideWarps && best.splits == 4 && div_up(nu, kXrFillSlabs) <= clusters4 &&
+      div_up(nu, kXrFillSlabs) > div_up(nu, kWideWarps))
+    best.slabs = kXrFillSlabs;
+#endif
   best.cost = min_cost;  // whether x resident beats the classic plan: by the model alone
   return best;
 }
@@ -174,15 +195,15 @@ inline Plan choose_plan_classic(int m, int nu, int ku, int num_sms) {
 // 0.85: 82.7 / 85.3).
 // `resident_ok`: the device has clusters and gives a CTA the resident layout's shared memory
 // (sm_90, launch_gemv asks), and KBIT_GEMV_XRES=0 is not set.
-inline Plan choose_plan(int m, int nu, int ku, int bits, int num_sms, bool resident_ok) {
+inline Plan choose_plan(int m, int nu, int ku, int bits, int num_sms, int clusters4, bool resident_ok) {
   const Plan classic = choose_plan_classic(m, nu, ku, num_sms);
   if (!resident_ok) return classic;
-  const XrPlan xr = choose_xr(m, nu, ku, bits, num_sms, 0);
+  const XrPlan xr = choose_xr(m, nu, ku, bits, num_sms, clusters4, 0);
   const int s = div_up(ku, div_up(ku, classic.splits));
   const int per_sm = classic.warps == kNarrowWarps ? 4 : classic.warps == kWarps ? 2 : 1;
   const double margin = m > kGemvOneTileM ? 1.0 : 0.9;
   if (xr.slabs > 0 && xr.cost < margin * plan_cost(m, nu, ku, num_sms, s, 1, classic.warps, per_sm))
-    return {xr.splits, kWideWarps, xr.slabs};
+    return {xr.splits, xr_warps(xr.slabs), xr.slabs};
   return classic;
 }
 

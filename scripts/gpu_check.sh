@@ -58,7 +58,7 @@ fi
 
 if [ $SANITIZE -eq 1 ]; then
     # script[+VAR=value]: sanitize_small again with the GEMV's x resident in every launch
-    for spec in sanitize_small sanitize_small+KBIT_GEMV_XR_SLABS=4 sanitize_small+KBIT_GEMV_XR_SLABS=16 sanitize_mma sanitize_wgmma; do
+    for spec in sanitize_small sanitize_small+KBIT_GEMV_XR_SLABS=4 sanitize_small+KBIT_GEMV_XR_SLABS=15 sanitize_small+KBIT_GEMV_XR_SLABS=16 sanitize_mma sanitize_wgmma; do
         script=${spec%%+*}
         envs=()
         [ "$spec" != "$script" ] && envs=("${spec#*+}")

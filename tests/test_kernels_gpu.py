@@ -220,8 +220,9 @@ torch.save(out, sys.argv[1])
 
 GEMV_VARIANTS = (("default", {}), ("packed", {"KBIT_GEMV_WIDE_LUT": "0"}),
                  ("x_regs", {"KBIT_GEMV_XRES": "0", "KBIT_GEMV_XSMEM": "0"}), ("x_ring", {"KBIT_GEMV_XRES": "0"}),
-                 *((f"x_resident_{g}", {"KBIT_GEMV_XR_SLABS": str(g)}) for g in (2, 4, 16)),
-                 *((f"x_resident_{g}_packed", {"KBIT_GEMV_XR_SLABS": str(g), "KBIT_GEMV_WIDE_LUT": "0"}) for g in (4, 16)))
+                 *((f"x_resident_{g}", {"KBIT_GEMV_XR_SLABS": str(g)}) for g in (2, 4, 15, 16)),
+                 *((f"x_resident_{g}_packed", {"KBIT_GEMV_XR_SLABS": str(g), "KBIT_GEMV_WIDE_LUT": "0"})
+                   for g in (4, 15, 16)))
 
 
 def test_gemv_variants(tmp_path):
@@ -229,10 +230,10 @@ def test_gemv_variants(tmp_path):
     M <= 8) against the packed one that sm_86 / sm_89 take (KBIT_GEMV_WIDE_LUT=0) must give the
     same bits (same values, same order). At 8 < M <= 16, the 8-warp kernel with x in registers
     that those devices run (KBIT_GEMV_XSMEM=0), the per-warp x ring that sm_90 ran before x
-    resident (KBIT_GEMV_XRES=0), and x resident with 2, 4 and 16 slabs per CTA
+    resident (KBIT_GEMV_XRES=0), and x resident with 2, 4, 15 and 16 slabs per CTA
     (KBIT_GEMV_XR_SLABS; other summation orders) must each meet the float64 reference like the
     default. The switches are read once per process: one subprocess each, three shapes, K = 2..5,
-    M = 1, 13 (rows past M zero-filled), 16. x resident in 4 or 16 slabs reads the wide-row table
+    M = 1, 13 (rows past M zero-filled), 16. x resident in 4, 15 or 16 slabs reads the wide-row table
     where the K range fits beside it (K=3,4): bit-identical to the packed table's results too."""
     outs = {}
     for name, env in GEMV_VARIANTS:
@@ -244,7 +245,7 @@ def test_gemv_variants(tmp_path):
     for i in range(36):
         y, ref = outs["default"][i]
         assert torch.equal(outs["packed"][i][0], y), i
-        for g in (4, 16):
+        for g in (4, 15, 16):
             assert torch.equal(outs[f"x_resident_{g}_packed"][i][0], outs[f"x_resident_{g}"][i][0]), (g, i)
         for name, _ in GEMV_VARIANTS:
             y = outs[name][i][0]
@@ -254,7 +255,7 @@ def test_gemv_variants(tmp_path):
 
 _GEMV_XR_SPLITS = _SCRIPT_PRELUDE + r"""
 # x resident with G = $KBIT_GEMV_XR_SLABS slabs per CTA and every split S = 1..4 (clusters of S
-# along K; G = 16, S = 4 is what the plan takes for 28672x4096 from M = 6 at K = 3, 4, M = 11
+# along K; G = 15, S = 4 is what the plan takes for 28672x4096 from M = 6 at K = 3, 4, M = 11
 # at K=5), fp16 and bf16, M = 1, 13, 16.
 out = []
 for n, k in ((1000, 2080), (12800, 2080)):
@@ -272,9 +273,9 @@ torch.save(out, sys.argv[1])
 """
 
 
-@pytest.mark.parametrize("slabs", [2, 4, 16])
+@pytest.mark.parametrize("slabs", [2, 4, 15, 16])
 def test_gemv_resident_splits(tmp_path, slabs):
-    """x resident in CTAs of 2, 4, 16 slabs (KBIT_GEMV_XR_SLABS, read once: a subprocess each)
+    """x resident in CTAs of 2, 4, 15 (15 warps), 16 slabs (KBIT_GEMV_XR_SLABS, read once: a subprocess each)
     with every split-K cluster size 1..4 meets the float64 reference."""
     f = tmp_path / "out.pt"
     subprocess.run([sys.executable, "-c", _GEMV_XR_SPLITS, str(f)], check=True, timeout=300,
@@ -292,7 +293,7 @@ def test_gemv_resident_splits(tmp_path, slabs):
 def test_gemv_wide_layer_plan(dtype, bits):
     """28672x4096 (Llama-3-8B's gate_up, 448 slabs) through the op's own dispatch at every M the
     GEMV's plans differ on (on an H200, tests/cpp/gemv_plan_test.cu pins which): classic 4-warp
-    CTAs, x resident in CTAs of four slabs, and of sixteen slabs in clusters of four (from M = 6
+    CTAs, x resident in CTAs of four slabs, and of fifteen slabs in clusters of four (from M = 6
     at K = 3, 4, M = 11 at K=5; never at K=2)."""
     for m in (1, 4, 6, 8, 9, 11, 12, 16):
         _check_gemm(28672, 4096, bits, dtype, m, bias=bool(m % 2))

@@ -3,7 +3,8 @@
 //   * the choices the H200 measurements chose (132 SMs; benchmarks/results, kbit_gemv_plan.h
 //     says which run): Llama-3-8B's four decode layers, an lm_head, Llama-3-70B's gate_up;
 //   * invariants over a sweep of shapes, M and K that every launch relies on (split range,
-//     resident K ranges that fit shared memory, the single-wave clusters of four).
+//     resident K ranges that fit shared memory, the single-wave clusters of four, counted as
+//     the device holds them, not as SMs / 4).
 #include <cstdio>
 
 #include "kbit_gemv_plan.h"
@@ -24,9 +25,14 @@ static int checks = 0, failures = 0;
   } while (0)
 
 constexpr int kH200Sms = 132;
+constexpr int kH200Clusters4 = 30;  // cudaOccupancyMaxActiveClusters, four 227 KB CTAs
+
+// clusters of four one-per-SM CTAs for the sweep's other SM counts: as the H200, ~10% of SMs
+// left over by GPCs that four does not divide
+static int clusters4_of(int sms) { return sms == kH200Sms ? kH200Clusters4 : sms * 10 / 44; }
 
 static Plan plan(int m, int n, int k, int bits, bool resident_ok = true, int sms = kH200Sms) {
-  return choose_plan(m, n_units(n), k_units(k), bits, sms, resident_ok);
+  return choose_plan(m, n_units(n), k_units(k), bits, sms, clusters4_of(sms), resident_ok);
 }
 static void expect_plan(int m, int n, int k, int bits, int splits, int warps, int slabs) {
   const Plan p = plan(m, n, k, bits);
@@ -47,16 +53,22 @@ int main() {
       expect_plan(m, 128256, 4096, bits, 1, kWideWarps, 16);
     }
     // 8B gate_up (28672x4096, 448 slabs): four 4-warp CTAs per SM up to M = 5, then x resident:
-    // 16-slab CTAs in clusters of four from M = 6 at K = 3, 4; at K=5 4-slab CTAs, 16-slab ones
-    // from M = 11; at K = 2 4-slab CTAs
+    // 15-slab CTAs (30 clusters of four, where 16 slabs made 28) from M = 6 at K = 3, 4; at K=5
+    // 4-slab CTAs, 15-slab ones from M = 11; at K = 2 4-slab CTAs
     for (int m = 1; m <= 5; ++m) expect_plan(m, 28672, 4096, bits, 1, kNarrowWarps, 0);
     for (int m = 6; m <= 10; ++m) {
-      if (bits == 3 || bits == 4) expect_plan(m, 28672, 4096, bits, 4, kWideWarps, 16);
+      if (bits == 3 || bits == 4) expect_plan(m, 28672, 4096, bits, 4, kXrFillSlabs, kXrFillSlabs);
       else expect_plan(m, 28672, 4096, bits, 1, kWideWarps, 4);
     }
     for (int m = 11; m <= 16; ++m) {
-      if (bits >= 3) expect_plan(m, 28672, 4096, bits, 4, kWideWarps, 16);
+      if (bits >= 3) expect_plan(m, 28672, 4096, bits, 4, kXrFillSlabs, kXrFillSlabs);
       else expect_plan(m, 28672, 4096, bits, 1, kWideWarps, 4);
+    }
+    // 30720 columns (480 slabs): 16-slab clusters of four fill the 30 exactly; 32768 (512 slabs)
+    // would make 32 of 16 slabs, two waves on the H200 (the wave check counts clusters, not SMs)
+    for (int m = 11; m <= 16; ++m) {
+      if (bits >= 3) expect_plan(m, 30720, 4096, bits, 4, kWideWarps, 16);
+      EXPECT(plan(m, 32768, 4096, bits).splits != 4, "32768x4096 M=%d K=%d: 32 clusters of four", m, bits);
     }
     // 70B gate_up (57344x8192): 8-warp CTAs at M = 1, then x resident in 16-slab pairs
     expect_plan(1, 57344, 8192, bits, 1, kWarps, 0);
@@ -77,17 +89,21 @@ int main() {
             const Plan p = plan(m, n, k, bits, true, sms);
             const int nu = n_units(n), ku = k_units(k);
             EXPECT(p.splits >= 1 && p.splits <= kMaxSplits && p.splits <= ku, "%dx%d M=%d: S=%d", n, k, m, p.splits);
-            EXPECT(p.warps == kNarrowWarps || p.warps == kWarps || p.warps == kWideWarps, "warps %d", p.warps);
+            EXPECT(p.warps == kNarrowWarps || p.warps == kWarps || p.warps == kWideWarps ||
+                       (p.slabs == kXrFillSlabs && p.warps == kXrFillSlabs), "warps %d", p.warps);
             if (m > kGemvOneTileM) EXPECT(p.warps != kWarps, "%dx%d M=%d: 8-warp CTAs hold x in registers", n, k, m);
             if (p.slabs > 0) {
               const int chunk = div_up(ku, p.splits);
-              EXPECT(p.slabs == 2 || p.slabs == 4 || p.slabs == 16, "G=%d", p.slabs);
-              EXPECT(p.warps == kWideWarps, "resident CTAs have 16 warps");
+              EXPECT(p.slabs == 2 || p.slabs == 4 || p.slabs == kXrFillSlabs || p.slabs == 16, "G=%d", p.slabs);
+              EXPECT(p.warps == xr_warps(p.slabs), "resident CTAs of %d slabs have %d warps", p.slabs, p.warps);
               EXPECT(chunk <= xr_max_units(m > kGemvOneTileM ? 2 : 1), "%dx%d M=%d: K range %d units", n, k, m, chunk);
               EXPECT(div_up(ku, chunk) == p.splits, "%dx%d M=%d: an empty split", n, k, m);
-              EXPECT(p.splits <= 2 || (p.splits == 4 && p.slabs == 16 && bits >= kS4MinBits && chunk >= kS4Min &&
-                                       (long long)div_up(nu, 16) * 4 <= sms),
+              EXPECT(p.splits <= 2 || (p.splits == 4 && xr_warps(p.slabs) == p.slabs && bits >= kS4MinBits &&
+                                       chunk >= kS4Min && div_up(nu, p.slabs) <= clusters4_of(sms)),
                      "%dx%d M=%d K=%d: S=%d G=%d outside the measured clusters", n, k, m, bits, p.splits, p.slabs);
+              // 15 slabs only where 16 would make fewer clusters
+              EXPECT(p.slabs != kXrFillSlabs || (p.splits == 4 && div_up(nu, 15) > div_up(nu, 16)),
+                     "%dx%d M=%d: G=15 with S=%d", n, k, m, p.splits);
             }
           }
         }
