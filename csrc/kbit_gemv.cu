@@ -19,36 +19,42 @@ extern template cudaError_t launch_bits<5>(DType, const Params&, int, int, int, 
 size_t gemv_workspace_bytes(int, int, int, int, int) { return 0; }
 
 namespace {
-// Stands in for any CTA that fills an SM's shared memory (the x-resident GEMV CTAs): how many
-// clusters of four such CTAs the device runs at once. A cluster sits in one GPC, so this is
-// below SMs / 4 where GPCs hold a number of SMs that four does not divide (H200: 30, not 33).
+// Stands in for any CTA that has an SM to itself (the GEMV's 16-warp and x-resident CTAs): how
+// many clusters of s such CTAs the device runs at once, s = 1..kMaxSplits (gemv::Clusters).
 __global__ void one_per_sm_cta() {}
 
-int clusters_of_four() {
-  static int cached[64];  // per device: value + 1, 0 = not asked yet
+const gemv::Clusters& device_clusters() {
+  static gemv::Clusters cached[64];
+  static bool asked[64];
+  static const gemv::Clusters none = {};
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  if (cached[dev] == 0) {
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return none;
+  if (!asked[dev]) {
+    gemv::Clusters c = {};
     const int smem = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
-    int n = 0;
     if (cudaFuncSetAttribute(one_per_sm_cta, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(4, 1, 1);
-      cfg.blockDim = dim3(512, 1, 1);
-      cfg.dynamicSmemBytes = smem;
-      cudaLaunchAttribute attr;
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = 4;
-      attr.val.clusterDim.y = 1;
-      attr.val.clusterDim.z = 1;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&n, one_per_sm_cta, &cfg) != cudaSuccess) n = 0;
+      for (int s = 1; s <= gemv::kMaxSplits; ++s) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(s, 1, 1);
+        cfg.blockDim = dim3(512, 1, 1);
+        cfg.dynamicSmemBytes = smem;
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = s;
+        attr.val.clusterDim.y = 1;
+        attr.val.clusterDim.z = 1;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        int n = 0;  // (unanswered: as if every GPC's SM count were a multiple of s)
+        c.n[s] = cudaOccupancyMaxActiveClusters(&n, one_per_sm_cta, &cfg) == cudaSuccess
+                     ? n : device_attribute<cudaDevAttrMultiProcessorCount>() / s;
+      }
     }
     cudaGetLastError();  // an unanswered query leaves no sticky error behind
-    cached[dev] = n + 1;
+    cached[dev] = c;
+    asked[dev] = true;
   }
-  return cached[dev] - 1;
+  return cached[dev];
 }
 }  // namespace
 
@@ -67,8 +73,10 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   static const bool xr_off = env_off("KBIT_GEMV_XRES");  // (read once) never x resident
   const bool xr_layout = clusters && gemv::xr_fits();  // the device gives a CTA the resident layout
   const bool resident_ok = !xr_off && xr_layout;
-  const int clusters4 = xr_layout ? clusters_of_four() : 0;
-  const gemv::Plan plan = gemv::choose_plan(m, n_units(n), p.ku_count, bits, sms, clusters4, resident_ok);
+  // (devices without clusters: n[1] alone matters, the launch below runs S = 1 anyway)
+  gemv::Clusters cl = clusters ? device_clusters() : gemv::Clusters{};
+  if (cl.n[1] <= 0) cl.n[1] = sms;
+  const gemv::Plan plan = gemv::choose_plan(m, n_units(n), p.ku_count, bits, sms, cl, resident_ok);
   int s = splits > 0 ? splits : plan.splits;
   if (s > gemv::kMaxSplits) s = gemv::kMaxSplits;
   if (s > p.ku_count) s = p.ku_count;
@@ -80,13 +88,13 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   // the classic kernels run with the resident plan's 16 warps, not the classic plan's choice
   // (slower for some shapes, not wrong; never in production, which forces no split).
   if (slabs > 0 && splits > 0)
-    slabs = gemv::choose_xr(m, n_units(n), p.ku_count, bits, sms, clusters4, s).slabs;
+    slabs = gemv::choose_xr(m, n_units(n), p.ku_count, bits, sms, cl, s).slabs;
   // KBIT_GEMV_XR_SLABS = 2 | 4 | 15 | 16 (tests and tuning; read once): x resident with that G
   // wherever the device and the K range allow, whatever the model says
   static const int force_slabs = env_int("KBIT_GEMV_XR_SLABS", 0);
   if ((force_slabs == 2 || force_slabs == 4 || force_slabs == gemv::kXrFillSlabs || force_slabs == 16) && xr_layout) {
     const gemv::XrPlan xr =
-        gemv::choose_xr(m, n_units(n), p.ku_count, bits, sms, clusters4, splits > 0 ? s : 0, force_slabs);
+        gemv::choose_xr(m, n_units(n), p.ku_count, bits, sms, cl, splits > 0 ? s : 0, force_slabs);
     if (xr.slabs > 0) {
       slabs = xr.slabs;
       if (splits <= 0) s = xr.splits, p.chunk = div_up(p.ku_count, s);

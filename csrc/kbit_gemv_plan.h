@@ -1,5 +1,6 @@
 // The GEMV path's launch plan (kbit_gemv.cu): split-K factor, CTA size and x residency from the
-// shape and the SM count alone. Host code with no CUDA runtime calls, so CI checks its choices
+// shape, the SM count and how many clusters the device runs at once (Clusters, which
+// kbit_gemv.cu asks it). Host code with no CUDA runtime calls, so CI checks its choices
 // on a CPU machine (tests/cpp/gemv_plan_test.cu); the kernels it plans are kbit_gemv.cuh's.
 #pragma once
 #include "kbit_layout.cuh"
@@ -20,6 +21,15 @@ constexpr int kWideWarps = 16;
 constexpr int kNarrowWarps = 4;
 constexpr int kMaxSplits = 8;             // portable cluster size
 
+// Clusters of s CTAs, one CTA per SM, that the device runs at once (n[s], s = 1..kMaxSplits;
+// kbit_gemv.cu asks it, cudaOccupancyMaxActiveClusters). A cluster sits in one GPC, so n[s] is
+// below SMs / s where s does not divide a GPC's SMs: the H200 holds 132, 66, 39, 30, 22, 17,
+// 15, 15, so 32 clusters of four (128 CTAs on 132 SMs) run in two waves. The one-per-SM plans
+// count clusters against these, never CTAs against SMs.
+struct Clusters {
+  int n[kMaxSplits + 1];
+};
+
 // x resident (8 < M <= 16, sm_90): the per-warp x ring (kbit_gemv.cuh, kXRowBytes) makes x's
 // L2 -> SM bytes equal the weights' DRAM bytes (a CTA owns one 64-column slab, so each unit's
 // 16 x 64 x tile serves 64 columns),
@@ -33,9 +43,8 @@ constexpr int kMaxSplits = 8;             // portable cluster size
 constexpr int kXrSlabs[] = {2, 4, 16};
 // Clusters of four one-warp-per-slab CTAs (S = 4 below) may instead hold 15 slabs in 15 warps,
 // where that puts more of them to work in one wave: Llama-3-8B's gate_up (448 slabs) runs 30
-// clusters (120 SMs) instead of 28 (112). A cluster of four must sit in one GPC, so the H200
-// holds 30 such clusters at once, not 132 / 4 = 33 (kbit_gemv.cu asks the device: clusters4);
-// 14 slabs (32 clusters) ran two waves, 1.7-2.2x the time. Against 16 slabs (H200, alternated
+// clusters (120 SMs) instead of 28 (112); the H200 holds 30 at once (Clusters), so 14 slabs
+// (32 clusters) ran two waves, 1.7-2.2x the time. Against 16 slabs (H200, alternated
 // twice in one call, bench_decode_gemv_g15_5c74794.json), gate_up at M = 6..16 K = 3 / 4 / 5
 // (K=5 from M = 12): 0-1.1% / 0-3.1% / 2.0-2.5% faster; the 8B step 0.3-1.0%, about the
 // run-to-run spread (K=5 at M = 6, 8, whose plan did not change: -0.5, -0.6%).
@@ -51,7 +60,8 @@ __host__ __device__ constexpr int xr_max_units(int mt) { return mt == 2 ? 72 : 1
 // before that with bench_gemm.py --sweep-splits): a CTA has a fixed cost of a few microseconds
 // (pipeline fill, table, cluster reduction), and a second wave of CTAs costs a whole CTA
 // time, so every rule below aims at one wave of 16 warps per SM:
-//   * NU <= SMs (every slab gets an SM): one CTA per SM, the largest S with NU * S <= SMs;
+//   * NU <= SMs (every slab gets an SM): one CTA per SM, the largest S whose NU clusters of S
+//     the device runs at once (Clusters; about NU * S <= SMs);
 //     at M <= 8 those CTAs have 16 warps (kWideWarps). 6144x4096 (NU = 96): 8.3 us at S = 1
 //     against 9.1 at S = 2 with 8-warp CTAs; 4096x14336 (NU = 64): 13.1 us at S = 2 against
 //     15.0 with 8-warp CTAs, 18.6 at S = 1.
@@ -112,10 +122,9 @@ inline double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int wa
 // 2117 / 2133 against 1805 / 1880 / 2137 / 2142 us; at K=5 the discount was 0.4% faster to 1.4%
 // slower (bench_decode_gemv_s4_rank_k3_k5_cbea5e3.json, both plans alternated twice in one call).
 // `forced_s` > 0 fixes S, `forced_g` > 0 G (kXrFillSlabs only when forced). G = 0 where no K
-// range fits. `clusters4`: clusters of four one-per-SM CTAs the device holds at once (H200: 30).
-// Where G = 16, S = 4 wins, G = 15 replaces it if it makes more clusters that still fit one wave
-// (kXrFillSlabs, above). The wave check counts clusters: by SMs / 4, 481..528 slabs (32768
-// columns, say) would take S = 4 in two waves.
+// range fits. Where G = 16, S = 4 wins, G = 15 replaces it if it makes more clusters that still
+// fit one wave (kXrFillSlabs, above). The wave check counts clusters (Clusters): by SMs / 4,
+// 481..528 slabs (32768 columns, say) would take S = 4 in two waves.
 constexpr int kS4Min = 8;
 // the smallest bit width that takes S = 4 (above); KBIT_GEMV_DEV_NO_K3S4 (probe builds, A/B):
 // K=3 out, the plan before bench_gemv_k3_s4_d372645.json
@@ -128,7 +137,8 @@ struct XrPlan {
   int splits, slabs;
   double cost, rank;  // the model's lowest cost over the candidates; this one's rank (kS4Unit)
 };
-inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, int clusters4, int forced_s, int forced_g = 0) {
+inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, const Clusters& cl, int forced_s,
+                        int forced_g = 0) {
   XrPlan best = {1, 0, 0.0, 0.0};
   double min_cost = -1.0;
   const int max_units = xr_max_units(m > kGemvOneTileM ? 2 : 1);
@@ -140,7 +150,7 @@ inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, int cluste
       const int chunk = div_up(ku, s), se = div_up(ku, chunk);
       if (chunk > max_units) continue;
       if (forced_s <= 0 && se > 2 &&
-          (se != 4 || bits < kS4MinBits || chunk < kS4Min || div_up(nu, g) > clusters4))
+          (se != 4 || bits < kS4MinBits || chunk < kS4Min || div_up(nu, g) > cl.n[4]))
         continue;
       const double cost = plan_cost(m, nu, ku, num_sms, se, g, warps, 1);
       const double rank = plan_cost(m, nu, ku, num_sms, se, g, warps, 1, bits == 3 || bits == 4);
@@ -150,7 +160,7 @@ inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, int cluste
     }
   }
 #ifndef KBIT_GEMV_DEV_NO_G15  // (probe builds, A/B: the plan before)
-  if (forced_g <= 0 && best.slabs == kWideWarps && best.splits == 4 && div_up(nu, kXrFillSlabs) <= clusters4 &&
+  if (forced_g <= 0 && best.slabs == kWideWarps && best.splits == 4 && div_up(nu, kXrFillSlabs) <= cl.n[4] &&
       div_up(nu, kXrFillSlabs) > div_up(nu, kWideWarps))
     best.slabs = kXrFillSlabs;
 #endif
@@ -159,22 +169,30 @@ inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, int cluste
 }
 
 // The plan without x resident (x in registers at M <= 8, the per-warp ring above).
-inline Plan choose_plan_classic(int m, int nu, int ku, int num_sms) {
+inline Plan choose_plan_classic(int m, int nu, int ku, int num_sms, const Clusters& cl) {
   const int s_max = ku < kMaxSplits ? ku : kMaxSplits;
-  // the largest S with NU * S <= slots (and, given warps per CTA, >= 8 units per warp)
-  const auto largest = [&](long long slots, int warps_per_cta) {
+  // four CTAs per SM: the largest S with NU * S <= 4 SMs and >= 8 units per warp
+  const auto largest_narrow = [&]() {
     int s = 1;
-    while (s < s_max && (long long)nu * (s + 1) <= slots &&
-           (warps_per_cta == 0 || div_up(div_up(ku, s + 1), warps_per_cta) >= 8))
-      ++s;
+    while (s < s_max && (long long)nu * (s + 1) <= 4LL * num_sms && div_up(div_up(ku, s + 1), kNarrowWarps) >= 8) ++s;
+    return s;
+  };
+  // one CTA per SM: the largest S whose NU clusters run at once (Clusters). Counting NU * S
+  // against SMs instead ran Llama-3.2-1B's 2048-column layers (32 slabs) at S = 4, 32 clusters
+  // of four in two waves on the H200: 2048x8192 K=4 M = 16 took 18.1 us against S = 3's 13.3,
+  // Qwen2.5-1.5B's 1536x8960 (S = 5 before, 22 clusters of five fit) 17.5 against S = 4's 12.6
+  // (bench_gemm_gemv_small_models_dce4584.json)
+  const auto largest_alone = [&]() {
+    int s = 1;
+    while (s < s_max && nu <= cl.n[s + 1]) ++s;
     return s;
   };
   if (m > kGemvOneTileM) {
-    if (nu > num_sms && nu <= 4LL * num_sms) return {largest(4LL * num_sms, kNarrowWarps), kNarrowWarps};
-    return {largest(num_sms, 0), kWideWarps};
+    if (nu > num_sms && nu <= 4LL * num_sms) return {largest_narrow(), kNarrowWarps};
+    return {largest_alone(), kWideWarps};
   }
-  if (nu <= num_sms) return {largest(num_sms, 0), kWideWarps};
-  if (nu <= 4LL * num_sms) return {largest(4LL * num_sms, kNarrowWarps), kNarrowWarps};
+  if (nu <= num_sms) return {largest_alone(), kWideWarps};
+  if (nu <= 4LL * num_sms) return {largest_narrow(), kNarrowWarps};
   const auto smallest = [&](long long ctas_wanted) {
     int s = 1;
     while (s < s_max && (long long)nu * s * 10 < 9 * ctas_wanted) ++s;
@@ -195,10 +213,10 @@ inline Plan choose_plan_classic(int m, int nu, int ku, int num_sms) {
 // 0.85: 82.7 / 85.3).
 // `resident_ok`: the device has clusters and gives a CTA the resident layout's shared memory
 // (sm_90, launch_gemv asks), and KBIT_GEMV_XRES=0 is not set.
-inline Plan choose_plan(int m, int nu, int ku, int bits, int num_sms, int clusters4, bool resident_ok) {
-  const Plan classic = choose_plan_classic(m, nu, ku, num_sms);
+inline Plan choose_plan(int m, int nu, int ku, int bits, int num_sms, const Clusters& cl, bool resident_ok) {
+  const Plan classic = choose_plan_classic(m, nu, ku, num_sms, cl);
   if (!resident_ok) return classic;
-  const XrPlan xr = choose_xr(m, nu, ku, bits, num_sms, clusters4, 0);
+  const XrPlan xr = choose_xr(m, nu, ku, bits, num_sms, cl, 0);
   const int s = div_up(ku, div_up(ku, classic.splits));
   const int per_sm = classic.warps == kNarrowWarps ? 4 : classic.warps == kWarps ? 2 : 1;
   const double margin = m > kGemvOneTileM ? 1.0 : 0.9;

@@ -25,14 +25,19 @@ static int checks = 0, failures = 0;
   } while (0)
 
 constexpr int kH200Sms = 132;
-constexpr int kH200Clusters4 = 30;  // cudaOccupancyMaxActiveClusters, four 227 KB CTAs
+// cudaOccupancyMaxActiveClusters of one-per-SM CTAs in clusters of 1..8 on the H200
+constexpr Clusters kH200Clusters = {{0, 132, 66, 39, 30, 22, 17, 15, 15}};
 
-// clusters of four one-per-SM CTAs for the sweep's other SM counts: as the H200, ~10% of SMs
-// left over by GPCs that four does not divide
-static int clusters4_of(int sms) { return sms == kH200Sms ? kH200Clusters4 : sms * 10 / 44; }
+// the sweep's other SM counts: GPCs of 18 SMs (the H200's largest) and a remainder
+static Clusters clusters_of(int sms) {
+  if (sms == kH200Sms) return kH200Clusters;
+  Clusters c = {};
+  for (int s = 1; s <= kMaxSplits; ++s) c.n[s] = sms / 18 * (18 / s) + sms % 18 / s;
+  return c;
+}
 
 static Plan plan(int m, int n, int k, int bits, bool resident_ok = true, int sms = kH200Sms) {
-  return choose_plan(m, n_units(n), k_units(k), bits, sms, clusters4_of(sms), resident_ok);
+  return choose_plan(m, n_units(n), k_units(k), bits, sms, clusters_of(sms), resident_ok);
 }
 static void expect_plan(int m, int n, int k, int bits, int splits, int warps, int slabs) {
   const Plan p = plan(m, n, k, bits);
@@ -73,6 +78,15 @@ int main() {
     // 70B gate_up (57344x8192): 8-warp CTAs at M = 1, then x resident in 16-slab pairs
     expect_plan(1, 57344, 8192, bits, 1, kWarps, 0);
     for (int m = 2; m <= 16; ++m) expect_plan(m, 57344, 8192, bits, 2, kWideWarps, 16);
+    // small models' one-per-SM layers: the largest split whose clusters all fit (Clusters), not
+    // NU * S <= SMs: Llama-3.2-1B's o / down (2048 columns, 32 slabs) S = 3, not 4 (32 clusters of
+    // four: two waves); Qwen2.5-1.5B's (1536, 24 slabs) S = 4, not 5 (22 clusters of five at most)
+    for (int m = 1; m <= 16; ++m) {
+      expect_plan(m, 2048, 2048, bits, 3, kWideWarps, 0);
+      expect_plan(m, 2048, 8192, bits, 3, kWideWarps, 0);
+      expect_plan(m, 1536, 1536, bits, 4, kWideWarps, 0);
+      expect_plan(m, 1536, 8960, bits, 4, kWideWarps, 0);
+    }
     // a device without the resident layout (or KBIT_GEMV_XRES=0): never resident
     for (int m = 1; m <= 16; ++m) EXPECT(plan(m, 28672, 4096, bits, false).slabs == 0, "M=%d", m);
   }
@@ -92,6 +106,8 @@ int main() {
             EXPECT(p.warps == kNarrowWarps || p.warps == kWarps || p.warps == kWideWarps ||
                        (p.slabs == kXrFillSlabs && p.warps == kXrFillSlabs), "warps %d", p.warps);
             if (m > kGemvOneTileM) EXPECT(p.warps != kWarps, "%dx%d M=%d: 8-warp CTAs hold x in registers", n, k, m);
+            if (p.slabs == 0 && p.warps == kWideWarps && p.splits > 1)  // one CTA per SM: a split in one wave
+              EXPECT(nu <= clusters_of(sms).n[p.splits], "%dx%d M=%d: %d clusters of %d", n, k, m, nu, p.splits);
             if (p.slabs > 0) {
               const int chunk = div_up(ku, p.splits);
               EXPECT(p.slabs == 2 || p.slabs == 4 || p.slabs == kXrFillSlabs || p.slabs == 16, "G=%d", p.slabs);
@@ -99,7 +115,7 @@ int main() {
               EXPECT(chunk <= xr_max_units(m > kGemvOneTileM ? 2 : 1), "%dx%d M=%d: K range %d units", n, k, m, chunk);
               EXPECT(div_up(ku, chunk) == p.splits, "%dx%d M=%d: an empty split", n, k, m);
               EXPECT(p.splits <= 2 || (p.splits == 4 && xr_warps(p.slabs) == p.slabs && bits >= kS4MinBits &&
-                                       chunk >= kS4Min && div_up(nu, p.slabs) <= clusters4_of(sms)),
+                                       chunk >= kS4Min && div_up(nu, p.slabs) <= clusters_of(sms).n[4]),
                      "%dx%d M=%d K=%d: S=%d G=%d outside the measured clusters", n, k, m, bits, p.splits, p.slabs);
               // 15 slabs only where 16 would make fewer clusters
               EXPECT(p.slabs != kXrFillSlabs || (p.splits == 4 && div_up(nu, 15) > div_up(nu, 16)),
