@@ -363,6 +363,17 @@ std::vector<int64_t> wgmma_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits
   return std::vector<int64_t>(out, out + kWgmmaPlanInts);
 }
 
+// The GEMV launch plan on the current device: [splits, warps per CTA, slabs per CTA (0: x not
+// resident), clusters of 1..8 one-per-SM CTAs the device runs at once] (kbit_ops.h).
+std::vector<int64_t> gemv_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits, int64_t splits) {
+  check_bits(bits);
+  TORCH_CHECK(m > 0 && m <= kGemvMaxM && n > 0 && k > 0 && k % kBlockSize == 0, msg("kbit::gemv_plan: bad shape"));
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int out[kGemvPlanInts] = {};
+  gemv_plan_info(int(m), int(n), int(k), int(bits), num_sms, int(splits), out);
+  return std::vector<int64_t>(out, out + kGemvPlanInts);
+}
+
 // ---- BEGIN MMA plan hook (owner: tensor-core kernel, csrc/kbit_mma.cu) ----
 // The tensor-core launch plan for a shape on the current device, for tests and benchmarks:
 // [cfg, tile_m, tile_n, splits, k_tiles_per_split, items, grid, workspace_bytes].
@@ -397,6 +408,7 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("wgmma_max_m(int bits) -> int", &kbit::wgmma_max_m_op);
   m.def("auto_path(int m, int bits) -> int", &kbit::auto_path_op);
   m.def("wgmma_plan(int m, int n, int k, int bits, ScalarType dtype, int splits=0) -> int[]", &kbit::wgmma_plan_op);
+  m.def("gemv_plan(int m, int n, int k, int bits, int splits=0) -> int[]", &kbit::gemv_plan_op);
   m.def("mma_plan(int m, int n, int k, int bits) -> int[]", &kbit::mma_plan_op);  // MMA plan hook
 }
 

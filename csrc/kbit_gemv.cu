@@ -58,6 +58,54 @@ const gemv::Clusters& device_clusters() {
 }
 }  // namespace
 
+namespace {
+// What a launch runs: the plan with the device's and the environment's overrides (a forced
+// split, KBIT_GEMV_XR_SLABS, KBIT_GEMV_WARPS), shared by launch_gemv and gemv_plan_info.
+struct Resolved {
+  int splits, warps, slabs;
+};
+Resolved resolve(int m, int n, int k, int bits, int num_sms, int splits) {
+  const int ku = k_units(k), nu = n_units(n);
+  const bool clusters = device_is_sm90_or_newer();
+  const int sms = num_sms > 0 ? num_sms : 1;
+  static const bool xr_off = env_off("KBIT_GEMV_XRES");  // (read once) never x resident
+  const bool xr_layout = clusters && gemv::xr_fits();  // the device gives a CTA the resident layout
+  const bool resident_ok = !xr_off && xr_layout;
+  // (devices without clusters: n[1] alone matters, the launch runs S = 1 anyway)
+  gemv::Clusters cl = clusters ? device_clusters() : gemv::Clusters{};
+  if (cl.n[1] <= 0) cl.n[1] = sms;
+  const gemv::Plan plan = gemv::choose_plan(m, nu, ku, bits, sms, cl, resident_ok);
+  int s = splits > 0 ? splits : plan.splits;
+  if (s > gemv::kMaxSplits) s = gemv::kMaxSplits;
+  if (s > ku) s = ku;
+  if (!clusters) s = 1;
+  static const int force_warps = env_int("KBIT_GEMV_WARPS", 0);
+  int warps = plan.warps, slabs = plan.slabs;
+  // A forced split (tests, benchmarks): the best G for it, if its K range fits; if none does,
+  // the classic kernels run with the resident plan's 16 warps, not the classic plan's choice
+  // (slower for some shapes, not wrong; never in production, which forces no split).
+  if (slabs > 0 && splits > 0) slabs = gemv::choose_xr(m, nu, ku, bits, sms, cl, s).slabs;
+  // KBIT_GEMV_XR_SLABS = 2 | 4 | 15 | 16 (tests and tuning; read once): x resident with that G
+  // wherever the device and the K range allow, whatever the model says
+  static const int force_slabs = env_int("KBIT_GEMV_XR_SLABS", 0);
+  if ((force_slabs == 2 || force_slabs == 4 || force_slabs == gemv::kXrFillSlabs || force_slabs == 16) && xr_layout) {
+    const gemv::XrPlan xr = gemv::choose_xr(m, nu, ku, bits, sms, cl, splits > 0 ? s : 0, force_slabs);
+    if (xr.slabs > 0) {
+      slabs = xr.slabs;
+      if (splits <= 0) s = xr.splits;
+    }
+  }
+  if (slabs > 0) {
+    warps = gemv::xr_warps(slabs);
+  } else if (force_warps == gemv::kNarrowWarps || force_warps == gemv::kWarps || force_warps == gemv::kWideWarps) {
+    warps = force_warps;
+  } else if (splits > 0 && warps == gemv::kWideWarps && (long long)nu * s > num_sms) {
+    warps = gemv::kWarps;  // a forced split that no longer fits one CTA per SM
+  }
+  return {s, warps, slabs};
+}
+}  // namespace
+
 cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,
                         const float* codebook, const void* bias, void* y, void* /*workspace*/, int m, int n, int k,
                         int bits, int num_sms, cudaStream_t stream, int splits) {
@@ -68,52 +116,22 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   p.m = m; p.n = n; p.k = k;
   p.ku_count = k_units(k);
   p.pdl = use_pdl();
-  const bool clusters = device_is_sm90_or_newer();
-  const int sms = num_sms > 0 ? num_sms : 1;
-  static const bool xr_off = env_off("KBIT_GEMV_XRES");  // (read once) never x resident
-  const bool xr_layout = clusters && gemv::xr_fits();  // the device gives a CTA the resident layout
-  const bool resident_ok = !xr_off && xr_layout;
-  // (devices without clusters: n[1] alone matters, the launch below runs S = 1 anyway)
-  gemv::Clusters cl = clusters ? device_clusters() : gemv::Clusters{};
-  if (cl.n[1] <= 0) cl.n[1] = sms;
-  const gemv::Plan plan = gemv::choose_plan(m, n_units(n), p.ku_count, bits, sms, cl, resident_ok);
-  int s = splits > 0 ? splits : plan.splits;
-  if (s > gemv::kMaxSplits) s = gemv::kMaxSplits;
-  if (s > p.ku_count) s = p.ku_count;
-  if (!clusters) s = 1;
-  p.chunk = div_up(p.ku_count, s);
-  static const int force_warps = env_int("KBIT_GEMV_WARPS", 0);
-  int warps = plan.warps, slabs = plan.slabs;
-  // A forced split (tests, benchmarks): the best G for it, if its K range fits; if none does,
-  // the classic kernels run with the resident plan's 16 warps, not the classic plan's choice
-  // (slower for some shapes, not wrong; never in production, which forces no split).
-  if (slabs > 0 && splits > 0)
-    slabs = gemv::choose_xr(m, n_units(n), p.ku_count, bits, sms, cl, s).slabs;
-  // KBIT_GEMV_XR_SLABS = 2 | 4 | 15 | 16 (tests and tuning; read once): x resident with that G
-  // wherever the device and the K range allow, whatever the model says
-  static const int force_slabs = env_int("KBIT_GEMV_XR_SLABS", 0);
-  if ((force_slabs == 2 || force_slabs == 4 || force_slabs == gemv::kXrFillSlabs || force_slabs == 16) && xr_layout) {
-    const gemv::XrPlan xr =
-        gemv::choose_xr(m, n_units(n), p.ku_count, bits, sms, cl, splits > 0 ? s : 0, force_slabs);
-    if (xr.slabs > 0) {
-      slabs = xr.slabs;
-      if (splits <= 0) s = xr.splits, p.chunk = div_up(p.ku_count, s);
-    }
-  }
-  if (slabs > 0) {
-    warps = gemv::xr_warps(slabs);
-  } else if (force_warps == gemv::kNarrowWarps || force_warps == gemv::kWarps || force_warps == gemv::kWideWarps) {
-    warps = force_warps;
-  } else if (splits > 0 && warps == gemv::kWideWarps && (long long)n_units(n) * s > num_sms) {
-    warps = gemv::kWarps;  // a forced split that no longer fits one CTA per SM
-  }
+  const Resolved r = resolve(m, n, k, bits, num_sms, splits);
+  p.chunk = div_up(p.ku_count, r.splits);
   switch (bits) {
-    case 2: return gemv::launch_bits<2>(dtype, p, s, warps, slabs, stream);
-    case 3: return gemv::launch_bits<3>(dtype, p, s, warps, slabs, stream);
-    case 4: return gemv::launch_bits<4>(dtype, p, s, warps, slabs, stream);
-    case 5: return gemv::launch_bits<5>(dtype, p, s, warps, slabs, stream);
+    case 2: return gemv::launch_bits<2>(dtype, p, r.splits, r.warps, r.slabs, stream);
+    case 3: return gemv::launch_bits<3>(dtype, p, r.splits, r.warps, r.slabs, stream);
+    case 4: return gemv::launch_bits<4>(dtype, p, r.splits, r.warps, r.slabs, stream);
+    case 5: return gemv::launch_bits<5>(dtype, p, r.splits, r.warps, r.slabs, stream);
   }
   return cudaErrorInvalidValue;
+}
+
+void gemv_plan_info(int m, int n, int k, int bits, int num_sms, int splits, int* out) {
+  const Resolved r = resolve(m, n, k, bits, num_sms, splits);
+  out[0] = r.splits, out[1] = r.warps, out[2] = r.slabs;
+  const bool clusters = device_is_sm90_or_newer();
+  for (int s = 1; s <= gemv::kMaxSplits; ++s) out[2 + s] = clusters ? device_clusters().n[s] : 0;
 }
 
 }  // namespace kbit

@@ -68,6 +68,11 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
                         int n, int k, int bits, int num_sms, cudaStream_t stream, int splits = 0);
 // Bytes of `workspace` launch_gemv needs (0: its split-K reduces through cluster shared memory).
 size_t gemv_workspace_bytes(int m, int n, int k, int bits, int num_sms);
+// The GEMV's launch plan for tests and benchmarks, as launch_gemv resolves it (environment
+// overrides included): out = [splits, warps per CTA, slabs per CTA (0: x not resident), then
+// the clusters of 1..8 one-per-SM CTAs the device runs at once (gemv::Clusters; 0 without clusters)].
+constexpr int kGemvPlanInts = 11;
+void gemv_plan_info(int m, int n, int k, int bits, int num_sms, int splits, int* out);
 
 // Attribute A of the current device, queried once per device (the launch paths ask on every
 // call); -1 where there is no current device.

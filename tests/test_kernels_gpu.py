@@ -288,6 +288,34 @@ def test_gemv_resident_splits(tmp_path, slabs):
         assert _rel_err(y, ref) < tol, (slabs, i, _rel_err(y, ref))
 
 
+# clusters of 1..8 one-per-SM CTAs the H200 runs at once: tests/cpp/gemv_plan_test.cu replays
+# the GEMV plan with these
+H200_CLUSTERS = [132, 66, 39, 30, 22, 17, 15, 15]
+
+
+def test_gemv_plan_on_device():
+    """The GEMV plan as launched (kbit::gemv_plan): the device's cluster capacity is at most
+    SMs / s for clusters of s, never larger for a larger s, and on an H200 it is the table the CPU
+    replay assumes; there the plans the measurements chose: Llama-3-8B's gate_up at M = 16 in
+    15-slab CTAs of 15 warps, clusters of four; a 2048-column layer (32 slabs) at S = 3, not 4
+    (32 clusters of four would run in two waves)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = list(torch.ops.kbit.gemv_plan(16, 28672, 4096, 4))
+    assert len(plan) == 11
+    cl = plan[3:]
+    if torch.cuda.get_device_capability()[0] < 9:
+        assert cl == [0] * 8 and plan[0] == 1
+        return
+    assert cl[0] == sms, cl
+    assert all(cl[s - 1] <= sms // s for s in range(1, 9)), cl
+    assert all(a >= b for a, b in zip(cl, cl[1:])), cl
+    if "H200" in torch.cuda.get_device_name() and sms == 132:
+        assert cl == H200_CLUSTERS
+        assert plan[:3] == [4, 15, 15]
+        assert list(torch.ops.kbit.gemv_plan(16, 2048, 8192, 4))[:3] == [3, 16, 0]
+        assert list(torch.ops.kbit.gemv_plan(1, 4096, 4096, 4))[:3] == [2, 16, 0]
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gemv_wide_layer_plan(dtype, bits):

@@ -25,7 +25,8 @@ static int checks = 0, failures = 0;
   } while (0)
 
 constexpr int kH200Sms = 132;
-// cudaOccupancyMaxActiveClusters of one-per-SM CTAs in clusters of 1..8 on the H200
+// cudaOccupancyMaxActiveClusters of one-per-SM CTAs in clusters of 1..8 on the H200 (the device
+// gives these: tests/test_kernels_gpu.py, test_gemv_plan_on_device)
 constexpr Clusters kH200Clusters = {{0, 132, 66, 39, 30, 22, 17, 15, 15}};
 
 // the sweep's other SM counts: GPCs of 18 SMs (the H200's largest) and a remainder
