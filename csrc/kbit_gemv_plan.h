@@ -222,6 +222,22 @@ inline Plan choose_plan(int m, int nu, int ku, int bits, int num_sms, const Clus
   const double margin = m > kGemvOneTileM ? 1.0 : 0.9;
   if (xr.slabs > 0 && xr.cost < margin * plan_cost(m, nu, ku, num_sms, s, 1, classic.warps, per_sm))
     return {xr.splits, xr_warps(xr.slabs), xr.slabs};
+#ifndef KBIT_GEMV_DEV_NO_K3XR  // (probe builds, A/B: the plan before)
+  // K=3 where the classic plan is four 4-warp CTAs per SM: the x-resident clusters of four win
+  // at every M, not only from M = 6 where the model takes them, if they put >= 80% of the SMs
+  // to work. Those 4-warp CTAs read the packed pair table (three instructions a pair against
+  // the resident kernels' two) and K=3's fourth nibble word costs five more, so they are bound
+  // by instructions, not bytes: 28672x4096 at M = 1..5 took 23.6-25.3 us at K=3, as many as at
+  // K=4 (23.4-26.4), against 20.6-21.2 in 15-slab clusters of four (8B step at M = 1 / 5: 1585 /
+  // 1772 -> 1487 / 1648 us). L2 flushed, at M = 1 / 4: 28672x4096 (120 CTAs) 27.3 / 28.2 ->
+  // 24.4 / 25.0 us, 27648x5120 (116) 32.0 / 33.1 -> 27.8 / 28.4; but 22016x4096 (92 CTAs) 22.5 /
+  // 23.2 -> 23.8 / 24.3 and 18944x3584 (80) 20.4 / 21.3 -> 21.6 / 22.0, whence the 80%
+  // (bench_decode_gemv_k3_resident_ea330db.json). At K=4 the clusters lose at M <= 3 (+3-5%),
+  // which the model's margin already keeps.
+  if (bits == 3 && classic.warps == kNarrowWarps && xr.splits == 4 && xr_warps(xr.slabs) == xr.slabs &&
+      10LL * 4 * div_up(nu, xr.slabs) >= 8LL * num_sms)
+    return {xr.splits, xr_warps(xr.slabs), xr.slabs};
+#endif
   return classic;
 }
 
