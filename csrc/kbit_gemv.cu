@@ -30,7 +30,7 @@ const gemv::Clusters& device_clusters() {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return none;
   if (!asked[dev]) {
-    gemv::Clusters c = {};
+    gemv::Clusters c = {};  // (all 0 if the device refuses the size: S = 1 then)
     const int smem = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
     if (cudaFuncSetAttribute(one_per_sm_cta, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess) {
       for (int s = 1; s <= gemv::kMaxSplits; ++s) {
@@ -56,9 +56,7 @@ const gemv::Clusters& device_clusters() {
   }
   return cached[dev];
 }
-}  // namespace
 
-namespace {
 // What a launch runs: the plan with the device's and the environment's overrides (a forced
 // split, KBIT_GEMV_XR_SLABS, KBIT_GEMV_WARPS), shared by launch_gemv and gemv_plan_info.
 struct Resolved {

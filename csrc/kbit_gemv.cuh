@@ -576,8 +576,8 @@ cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
   return launch_t<BITS, MT, T, W, false, kXs>(p, splits, stream);
 }
 
-// x resident: 16-warp CTAs of G slabs (one of kXrSlabs), or 15-warp CTAs of 15 (kXrFillSlabs). K=3,4 with 4 or 16 slabs read the
-// wide-row table where the CTA's K range fits beside it (Smem::kXrUnits: 44 units at M > 8, 88
+// x resident: 16-warp CTAs of G slabs (one of kXrSlabs), or 15-warp CTAs of 15 (kXrFillSlabs).
+// K=3,4 with 4, 15 or 16 slabs read the wide-row table where the CTA's K range fits beside it (Smem::kXrUnits: 44 units at M > 8, 88
 // at M <= 8, against 72 / 144 with the packed table). Against the packed table
 // (KBIT_GEMV_XR_WIDE=0, which keeps it here alone; alternated twice in one call, H200,
 // bench_gemv_xr_wide_aa0a655.json): the 8B decode step at K=4 M = 12 / 16 2035 / 2053 against

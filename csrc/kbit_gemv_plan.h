@@ -142,7 +142,7 @@ inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, const Clus
   XrPlan best = {1, 0, 0.0, 0.0};
   double min_cost = -1.0;
   const int max_units = xr_max_units(m > kGemvOneTileM ? 2 : 1);
-  for (const int g : {kXrSlabs[0], kXrSlabs[1], kXrSlabs[2], kXrFillSlabs}) {
+  for (const int g : {kXrSlabs[0], kXrSlabs[1], kXrSlabs[2], kXrFillSlabs}) {  // (15: only when forced)
     if ((forced_g > 0 && g != forced_g) || (g == kXrFillSlabs && forced_g != g)) continue;
     const int warps = xr_warps(g);
     const int s_lo = forced_s > 0 ? forced_s : 1, s_hi = forced_s > 0 ? forced_s : warps == g ? 4 : 2;
