@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -189,6 +190,24 @@ __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
       "r"(parity)
       : "memory");
 #endif
+}
+
+// Host: how many clusters of `s` CTAs of `kernel` (`threads` threads and `smem` bytes of dynamic
+// shared memory each) the device runs at once, in *n; false where it does not answer (the
+// caller clears the sticky error). The GEMV and wgmma plans size their split-K clusters by it.
+template <typename Kernel> bool max_active_clusters(Kernel kernel, int s, int threads, int smem, int* n) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(s, 1, 1);
+  cfg.blockDim = dim3(threads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = s;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaOccupancyMaxActiveClusters(n, kernel, &cfg) == cudaSuccess;
 }
 
 // Programmatic dependent launch (sm_90; use_pdl in kbit_ops.h). The GEMM kernels are launched with

@@ -34,19 +34,8 @@ const gemv::Clusters& device_clusters() {
     const int smem = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
     if (cudaFuncSetAttribute(one_per_sm_cta, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess) {
       for (int s = 1; s <= gemv::kMaxSplits; ++s) {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(s, 1, 1);
-        cfg.blockDim = dim3(512, 1, 1);
-        cfg.dynamicSmemBytes = smem;
-        cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = s;
-        attr.val.clusterDim.y = 1;
-        attr.val.clusterDim.z = 1;
-        cfg.attrs = &attr;
-        cfg.numAttrs = 1;
         int n = 0;  // (unanswered: as if every GPC's SM count were a multiple of s)
-        c.n[s] = cudaOccupancyMaxActiveClusters(&n, one_per_sm_cta, &cfg) == cudaSuccess
+        c.n[s] = max_active_clusters(one_per_sm_cta, s, 512, smem, &n)
                      ? n : device_attribute<cudaDevAttrMultiProcessorCount>() / s;
       }
     }

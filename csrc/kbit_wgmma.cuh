@@ -656,19 +656,9 @@ template <int BITS, int MT, int CN, int R, int CPS, typename T> const Occupancy&
       o.per_sm = b;
     for (int s = 1; s <= kMaxSplits; ++s)
       for (int spread = 0; spread < 2; ++spread) {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(s, 1, 1);
-        cfg.blockDim = dim3(C::kThreads, 1, 1);
-        cfg.dynamicSmemBytes = spread ? o.spread_bytes : C::kBytes;
-        cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = s;
-        attr.val.clusterDim.y = 1;
-        attr.val.clusterDim.z = 1;
-        cfg.attrs = &attr;
-        cfg.numAttrs = 1;
         int n = 0;
-        o.clusters[s][spread] = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess ? n : 0;
+        const int bytes = spread ? o.spread_bytes : C::kBytes;
+        o.clusters[s][spread] = max_active_clusters(kernel, s, C::kThreads, bytes, &n) ? n : 0;
       }
     cudaGetLastError();  // an unanswered query leaves no sticky error behind
     return o;
