@@ -442,31 +442,47 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
 
   // ---- reduce: warps of the CTA through shared memory, then the CTAs of the cluster through
   // distributed shared memory; every sum runs in a fixed order (deterministic).
-  __syncthreads();  // the table region is reused below
+  __syncthreads();  // the table region (and, x resident, the x rows under `part`) is reused below
   float* red = reinterpret_cast<float*>(smem);
   float* part = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + S::kPart);
+  // part[slab][e]: the sum over that slab's warps (warp_cta = slab * kWarps + warp)
+  constexpr int kElems = kSlabs * kAcc * 32;
+#ifdef KBIT_GEMV_DEV_RED_COPY  // (probe builds, A/B: one warp a slab through the scratch too)
+  constexpr bool kDirect = false;
+#elif defined(KBIT_GEMV_DEV_DIRECT_ALL)
+  constexpr bool kDirect = kWarps == 1;
+#else
+  constexpr bool kDirect = kWarps == 1 && BITS != 3;
+#endif
+  // One warp a slab (the 15- and 16-slab CTAs): its accumulators are the slab's sums, so they
+  // go straight to `part`, in the layout the pass below would copy them to: 8B gate_up at
+  // M = 12 / 16 2.0-2.3% faster at K=4, 1.0-1.3% at K=5, the step 0.7-0.9% / 0.5-0.9% (H200,
+  // alternated twice in one call against -DKBIT_GEMV_DEV_RED_COPY, bench_decode_gemv_direct_part_2396a0e.json).
+  // Not K=3: there the same change rescheduled the main loop (same instructions, other order)
+  // and its 15-slab CTAs took 1.10-1.14x the time at every M (-DKBIT_GEMV_DEV_DIRECT_ALL).
+  float* const dst = kDirect ? part : red;
 #pragma unroll
   for (int i = 0; i < kPairsPerLane; ++i)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) red[(warp_cta * kAcc + (i * MT + mt) * 4 + j) * 32 + lane] = acc[i][mt][j];
-  __syncthreads();
-  // part[slab][e]: the sum over that slab's warps (warp_cta = slab * kWarps + warp)
-  constexpr int kElems = kSlabs * kAcc * 32;
-  // four elements (one register i, four lanes) per thread, 16-byte loads and store, the sums in
-  // the same order: the 8B decode step at M = 16 0.4-1.3% faster than with one element a thread
-  // (K = 2..5; at M = 1 from 1.0% faster to 0.2% slower; H200, alternated twice in one call,
-  // bench_decode_gemv_vec_sum_ab.json)
-  for (int e = 4 * threadIdx.x; e < kElems; e += 4 * kThreads) {
-    const float* r = red + e + (e / (kAcc * 32)) * (kWarps - 1) * kAcc * 32;
-    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int j = 0; j < 4; ++j) dst[(warp_cta * kAcc + (i * MT + mt) * 4 + j) * 32 + lane] = acc[i][mt][j];
+  if constexpr (!kDirect) {
+    __syncthreads();
+    // four elements (one register i, four lanes) per thread, 16-byte loads and store, the sums in
+    // the same order: the 8B decode step at M = 16 0.4-1.3% faster than with one element a thread
+    // (K = 2..5; at M = 1 from 1.0% faster to 0.2% slower; H200, alternated twice in one call,
+    // bench_decode_gemv_vec_sum_ab.json)
+    for (int e = 4 * threadIdx.x; e < kElems; e += 4 * kThreads) {
+      const float* r = red + e + (e / (kAcc * 32)) * (kWarps - 1) * kAcc * 32;
+      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float4 v = *reinterpret_cast<const float4*>(r + w * kAcc * 32);
-      s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+      for (int w = 0; w < kWarps; ++w) {
+        const float4 v = *reinterpret_cast<const float4*>(r + w * kAcc * 32);
+        s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+      }
+      *reinterpret_cast<float4*>(part + e) = s;
     }
-    *reinterpret_cast<float4*>(part + e) = s;
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
