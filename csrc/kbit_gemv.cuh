@@ -124,14 +124,18 @@ constexpr int kXSmemStages = 2;
 // bench_decode_gemv_scalew_ab.json), weights everywhere / at M > 8 / nowhere, us:
 //   M = 16: K=2 2004 / 2008 / 2033, K=3 2323 / 2320 / 2254, K=4 2236 / 2235 / 2271, K=5 3143 / 3136 / 3222
 //   M = 1:  K=2 1458 / 1486 / 1490, K=3 1821 / 1774 / 1776, K=4 1708 / 1636 / 1647, K=5 2579 / 2593 / 2597
-// So on the weights at M > 8 except K=3 (its wide-row table kernel got slower), and at M <= 8
-// for K=2 only (its shuffle lookups leave the FMA pipe idle; K=4 lost 4% there).
-// KBIT_GEMV_DEV_SCALEW (probe builds): 0 = fp32 everywhere, 2 = weights everywhere.
+// So on the weights at M > 8, and at M <= 8 for K=2 only (its shuffle lookups leave the FMA
+// pipe idle; K=4 lost 4% there). K=3 at M > 8 lost 3% then (its wide-row table kernel), and
+// gains now (twenty-third session, its layers in the ring and 15-slab kernels since): with the
+// direct partial sums below, the 8B step at M = 12 / 16 1915 / 1956 against 1946 / 1979 us
+// (qkv -2%, down -3 / -1%, gate_up -2 / -1%; H200, alternated twice in one call against
+// the plan before, bench_decode_gemv_k3_scalew_f169810.json).
+// KBIT_GEMV_DEV_SCALEW (probe builds): 0 = fp32 everywhere, 1 = at M > 8, 2 = weights everywhere.
 template <int BITS, int MT> constexpr bool scale_weights() {
 #if defined(KBIT_GEMV_DEV_SCALEW)
   return KBIT_GEMV_DEV_SCALEW == 2 || (KBIT_GEMV_DEV_SCALEW == 1 && MT == 2);
 #else
-  return MT == 2 ? BITS != 3 : BITS == 2;
+  return MT == 2 || BITS == 2;
 #endif
 }
 
@@ -452,14 +456,16 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
 #elif defined(KBIT_GEMV_DEV_DIRECT_ALL)
   constexpr bool kDirect = kWarps == 1;
 #else
-  constexpr bool kDirect = kWarps == 1 && BITS != 3;
+  constexpr bool kDirect = kWarps == 1 && (BITS != 3 || MT == 2);
 #endif
   // One warp a slab (the 15- and 16-slab CTAs): its accumulators are the slab's sums, so they
   // go straight to `part`, in the layout the pass below would copy them to: 8B gate_up at
   // M = 12 / 16 2.0-2.3% faster at K=4, 1.0-1.3% at K=5, the step 0.7-0.9% / 0.5-0.9% (H200,
   // alternated twice in one call against -DKBIT_GEMV_DEV_RED_COPY, bench_decode_gemv_direct_part_2396a0e.json).
-  // Not K=3: there the same change rescheduled the main loop (same instructions, other order)
-  // and its 15-slab CTAs took 1.10-1.14x the time at every M (-DKBIT_GEMV_DEV_DIRECT_ALL).
+  // Not K=3 at M <= 8: there the same change rescheduled the main loop (same instructions,
+  // other order) and its 15-slab CTAs took 1.10-1.14x the time (-DKBIT_GEMV_DEV_DIRECT_ALL);
+  // at M > 8 it cost as much with the fp32 scales and gains 1-2% with the scaled weights
+  // (scale_weights; bench_decode_gemv_k3_scalew_f169810.json).
   float* const dst = kDirect ? part : red;
 #pragma unroll
   for (int i = 0; i < kPairsPerLane; ++i)

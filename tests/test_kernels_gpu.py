@@ -328,7 +328,7 @@ def test_gemv_wide_layer_plan(dtype, bits):
         _check_gemm(28672, 4096, bits, dtype, m, bias=bool(m % 2))
 
 
-@pytest.mark.parametrize("bits", [2, 4, 5])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gemv_subnormal_scales(dtype, bits):
     """Every block's absmax an E4M4 subnormal, through the GEMV at M = 1 (one n8 tile) and 9, 16
