@@ -131,11 +131,19 @@ constexpr int kXSmemStages = 2;
 // (qkv -2%, down -3 / -1%, gate_up -2 / -1%; H200, alternated twice in one call against
 // the plan before, bench_decode_gemv_k3_scalew_f169810.json).
 // KBIT_GEMV_DEV_SCALEW (probe builds): 0 = fp32 everywhere, 1 = at M > 8, 2 = weights everywhere.
-template <int BITS, int MT> constexpr bool scale_weights() {
+// kOneWarpSlab: x-resident CTAs of one warp a slab (15 / 16 slabs). At K=4 those scale the
+// weights at M <= 8 too: 8B gate_up at M = 6 / 8 21.9 / 22.1 against 24.6 / 24.7 us (the step
+// 1732 / 1790 against 1814 / 1873), 57344x8192 at M = 4 / 8 81.9 / 82.5 against 85.1 / 85.8,
+// 128256x4096 at M = 1..8 -2% (H200, alternated twice in one call against
+// -DKBIT_GEMV_DEV_NO_K4XR_SCALEW, bench_decode_gemv_k4_xr_scalew_25dd9fc.json). Every M <= 8
+// kernel on the weights (-DKBIT_GEMV_DEV_SCALEW=2, same file) made the others 1-3% slower.
+template <int BITS, int MT, bool kOneWarpSlab = false> constexpr bool scale_weights() {
 #if defined(KBIT_GEMV_DEV_SCALEW)
   return KBIT_GEMV_DEV_SCALEW == 2 || (KBIT_GEMV_DEV_SCALEW == 1 && MT == 2);
-#else
+#elif defined(KBIT_GEMV_DEV_NO_K4XR_SCALEW)
   return MT == 2 || BITS == 2;
+#else
+  return MT == 2 || BITS == 2 || (kOneWarpSlab && BITS == 4);
 #endif
 }
 
@@ -347,7 +355,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   constexpr int kSlabs = G > 0 ? G : 1, kWarps = W / kSlabs, kThreads = W * 32;
   extern __shared__ __align__(16) uint32_t smem_raw[];
   using S = Smem<BITS, MT, W, kWide, kXs, G>;
-  constexpr bool kScaleW = scale_weights<BITS, MT>();
+  constexpr bool kScaleW = scale_weights<BITS, MT, G != 0 && W == G>();
   const uint32_t smem_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
   const uint32_t lut_base = kWide ? (smem_addr + 0xFFFFu) & ~0xFFFFu : smem_addr;
   uint32_t* smem = smem_raw + (lut_base - smem_addr) / 4;  // the table, then the reduction
