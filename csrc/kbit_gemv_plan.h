@@ -232,9 +232,11 @@ inline Plan choose_plan(int m, int nu, int ku, int bits, int num_sms, const Clus
   // 1772 -> 1487 / 1648 us). L2 flushed, at M = 1 / 4: 28672x4096 (120 CTAs) 27.3 / 28.2 ->
   // 24.4 / 25.0 us, 27648x5120 (116) 32.0 / 33.1 -> 27.8 / 28.4; but 22016x4096 (92 CTAs) 22.5 /
   // 23.2 -> 23.8 / 24.3 and 18944x3584 (80) 20.4 / 21.3 -> 21.6 / 22.0, whence the 80%
-  // (bench_decode_gemv_k3_resident_ea330db.json). At K=4 the clusters lose at M <= 3 (+3-5%),
-  // which the model's margin already keeps.
-  if (bits == 3 && classic.warps == kNarrowWarps && xr.splits == 4 && xr_warps(xr.slabs) == xr.slabs &&
+  // (bench_decode_gemv_k3_resident_ea330db.json). K=4 too since its one-warp-a-slab CTAs scale
+  // the decoded weights at M <= 8 (kbit_gemv.cuh, scale_weights): 8B gate_up at M = 1 / 2 / 4
+  // 21.2 / 21.6 / 21.6 us in them against the 4-warp CTAs' 23.0 / 23.3 / 24.7 (with fp32 scales
+  // they lost 3-5% at M <= 3; H200, bench_decode_gemv_k4_xr_scalew_25dd9fc.json).
+  if ((bits == 3 || bits == 4) && classic.warps == kNarrowWarps && xr.splits == 4 && xr_warps(xr.slabs) == xr.slabs &&
       10LL * 4 * div_up(nu, xr.slabs) >= 8LL * num_sms)
     return {xr.splits, xr_warps(xr.slabs), xr.slabs};
 #endif

@@ -35,7 +35,7 @@ for bits in (2, 3, 4, 5):
                 ok &= err < 2e-3
         print(f"bits={bits} n={n} k={k}: {'ok' if ok else 'FAIL'}", flush=True)
 # clusters of four along K (with KBIT_GEMV_XR_SLABS=15 or 16: x resident, one warp per slab, the plan
-# of 28672x4096 from M = 6 at K = 3, 4, M = 11 at K=5), on a K range long enough for four splits
+# of 28672x4096 from M = 1 at K = 3, 4, M = 11 at K=5), on a K range long enough for four splits
 n, k = 200, 2080
 g = torch.Generator(device=dev).manual_seed(0)
 for bits in (4, 5):

@@ -255,7 +255,7 @@ def test_gemv_variants(tmp_path):
 
 _GEMV_XR_SPLITS = _SCRIPT_PRELUDE + r"""
 # x resident with G = $KBIT_GEMV_XR_SLABS slabs per CTA and every split S = 1..4 (clusters of S
-# along K; G = 15, S = 4 is what the plan takes for 28672x4096 from M = 6 at K = 3, 4, M = 11
+# along K; G = 15, S = 4 is what the plan takes for 28672x4096 from M = 1 at K = 3, 4, M = 11
 # at K=5), fp16 and bf16, M = 1, 13, 16.
 out = []
 for n, k in ((1000, 2080), (12800, 2080)):
@@ -314,6 +314,7 @@ def test_gemv_plan_on_device():
         assert plan[:3] == [4, 15, 15]
         assert list(torch.ops.kbit.gemv_plan(16, 2048, 8192, 4))[:3] == [3, 16, 0]
         assert list(torch.ops.kbit.gemv_plan(1, 28672, 4096, 3))[:3] == [4, 15, 15]  # K=3: resident at every M
+        assert list(torch.ops.kbit.gemv_plan(1, 28672, 4096, 4))[:3] == [4, 15, 15]  # K=4 too
         assert list(torch.ops.kbit.gemv_plan(1, 4096, 4096, 4))[:3] == [2, 16, 0]
 
 
@@ -323,7 +324,7 @@ def test_gemv_wide_layer_plan(dtype, bits):
     """28672x4096 (Llama-3-8B's gate_up, 448 slabs) through the op's own dispatch at every M the
     GEMV's plans differ on (on an H200, tests/cpp/gemv_plan_test.cu pins which): classic 4-warp
     CTAs, x resident in CTAs of four slabs, and of fifteen slabs in clusters of four (from M = 1
-    at K=3, M = 6 at K=4, M = 11 at K=5; never at K=2)."""
+    at K = 3, 4, M = 11 at K=5; never at K=2)."""
     for m in (1, 4, 6, 8, 9, 11, 12, 16):
         _check_gemm(28672, 4096, bits, dtype, m, bias=bool(m % 2))
 

@@ -58,11 +58,11 @@ int main() {
       // an lm_head (128256x4096): x resident in 16-slab CTAs at every M
       expect_plan(m, 128256, 4096, bits, 1, kWideWarps, 16);
     }
-    // 8B gate_up (28672x4096, 448 slabs): four 4-warp CTAs per SM up to M = 5 (at K=3 none),
-    // then x resident: 15-slab CTAs (30 clusters of four, where 16 slabs made 28) from M = 6 at
-    // K = 4 and from M = 1 at K=3; at K=5 4-slab CTAs, 15-slab ones from M = 11; at K = 2 4-slab CTAs
+    // 8B gate_up (28672x4096, 448 slabs): four 4-warp CTAs per SM up to M = 5 (at K = 3, 4 none),
+    // then x resident: 15-slab CTAs (30 clusters of four, where 16 slabs made 28) from M = 1 at
+    // K = 3, 4; at K=5 4-slab CTAs, 15-slab ones from M = 11; at K = 2 4-slab CTAs
     for (int m = 1; m <= 5; ++m) {
-      if (bits == 3) expect_plan(m, 28672, 4096, bits, 4, kXrFillSlabs, kXrFillSlabs);
+      if (bits == 3 || bits == 4) expect_plan(m, 28672, 4096, bits, 4, kXrFillSlabs, kXrFillSlabs);
       else expect_plan(m, 28672, 4096, bits, 1, kNarrowWarps, 0);
     }
     for (int m = 6; m <= 10; ++m) {
@@ -91,9 +91,9 @@ int main() {
       expect_plan(m, 1536, 1536, bits, 4, kWideWarps, 0);
       expect_plan(m, 1536, 8960, bits, 4, kWideWarps, 0);
     }
-    // K=3 at M <= 5: x-resident clusters of four only where they fill >= 80% of the SMs
+    // K = 3, 4 at M <= 5: x-resident clusters of four only where they fill >= 80% of the SMs
     // (27648x5120: 29 clusters, 116 CTAs; 22016x4096: 23 clusters, 92 CTAs, keeps 4-warp CTAs)
-    if (bits == 3) {
+    if (bits == 3 || bits == 4) {
       for (int m = 1; m <= 5; ++m) {
         expect_plan(m, 27648, 5120, bits, 4, kXrFillSlabs, kXrFillSlabs);
         expect_plan(m, 22016, 4096, bits, 1, kNarrowWarps, 0);
