@@ -204,7 +204,8 @@ inline Plan choose_plan_classic(int m, int nu, int ku, int num_sms, const Cluste
 }
 
 // x resident where the model says it beats the classic plan: at 8 < M <= 16 28672x4096 (G = 4; from
-// M = 11 G = 16 in clusters of four at K = 5, from M = 6 at K = 4) and the larger layers (G = 16), not the 8B model's
+// M = 11 G = 16 in clusters of four at K = 5, from M = 6 at K = 4, and below M = 6 at K = 3, 4 by
+// the rule at the end) and the larger layers (G = 16), not the 8B model's
 // three others (sm_90: clusters and 227 KB CTAs); at M <= 8, where x is half the bytes or less,
 // only by a 10% margin, which the model's missing term (the copy before the loop) needed (H200, 8B
 // decode step, same call, K=4, x resident / classic, us: 28672x4096 at M = 1, model 0.98: 29.6 /
