@@ -75,7 +75,7 @@ Resolved resolve(int m, int n, int k, int bits, int num_sms, int splits) {
   // KBIT_GEMV_XR_SLABS = 2 | 4 | 15 | 16 (tests and tuning; read once): x resident with that G
   // wherever the device and the K range allow, whatever the model says
   static const int force_slabs = env_int("KBIT_GEMV_XR_SLABS", 0);
-  if ((force_slabs == 2 || force_slabs == 4 || force_slabs == gemv::kXrFillSlabs || force_slabs == 16) && xr_layout) {
+  if (gemv::xr_slabs_built(force_slabs) && xr_layout) {
     const gemv::XrPlan xr = gemv::choose_xr(m, nu, ku, bits, sms, cl, splits > 0 ? s : 0, force_slabs);
     if (xr.slabs > 0) {
       slabs = xr.slabs;
@@ -114,11 +114,12 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   return cudaErrorInvalidValue;
 }
 
+static_assert(kGemvPlanInts == 3 + gemv::kMaxSplits, "gemv_plan_info: plan, then n[1..kMaxSplits]");
 void gemv_plan_info(int m, int n, int k, int bits, int num_sms, int splits, int* out) {
   const Resolved r = resolve(m, n, k, bits, num_sms, splits);
   out[0] = r.splits, out[1] = r.warps, out[2] = r.slabs;
-  const bool clusters = device_is_sm90_or_newer();
-  for (int s = 1; s <= gemv::kMaxSplits; ++s) out[2 + s] = clusters ? device_clusters().n[s] : 0;
+  const gemv::Clusters cl = device_is_sm90_or_newer() ? device_clusters() : gemv::Clusters{};
+  for (int s = 1; s <= gemv::kMaxSplits; ++s) out[2 + s] = cl.n[s];
 }
 
 }  // namespace kbit

@@ -355,7 +355,8 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   constexpr int kSlabs = G > 0 ? G : 1, kWarps = W / kSlabs, kThreads = W * 32;
   extern __shared__ __align__(16) uint32_t smem_raw[];
   using S = Smem<BITS, MT, W, kWide, kXs, G>;
-  constexpr bool kScaleW = scale_weights<BITS, MT, G != 0 && W == G>();
+  constexpr bool kOneWarpSlab = kWarps == 1;  // the 15- and 16-slab CTAs (xr_warps)
+  constexpr bool kScaleW = scale_weights<BITS, MT, kOneWarpSlab>();
   const uint32_t smem_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
   const uint32_t lut_base = kWide ? (smem_addr + 0xFFFFu) & ~0xFFFFu : smem_addr;
   uint32_t* smem = smem_raw + (lut_base - smem_addr) / 4;  // the table, then the reduction
@@ -462,9 +463,9 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
 #ifdef KBIT_GEMV_DEV_RED_COPY  // (probe builds, A/B: one warp a slab through the scratch too)
   constexpr bool kDirect = false;
 #elif defined(KBIT_GEMV_DEV_DIRECT_ALL)
-  constexpr bool kDirect = kWarps == 1;
+  constexpr bool kDirect = kOneWarpSlab;
 #else
-  constexpr bool kDirect = kWarps == 1 && (BITS != 3 || MT == 2);
+  constexpr bool kDirect = kOneWarpSlab && (BITS != 3 || MT == 2);
 #endif
   // One warp a slab (the 15- and 16-slab CTAs): its accumulators are the slab's sums, so they
   // go straight to `part`, in the layout the pass below would copy them to: 8B gate_up at

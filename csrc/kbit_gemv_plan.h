@@ -51,6 +51,12 @@ constexpr int kXrSlabs[] = {2, 4, 16};
 constexpr int kXrFillSlabs = 15;
 // warps of an x-resident CTA of g slabs: 16, or one a slab for the 15-slab CTAs
 __host__ __device__ constexpr int xr_warps(int g) { return g == kXrFillSlabs ? kXrFillSlabs : kWideWarps; }
+// the slab counts an x-resident CTA is built for (kbit_gemv.cuh, launch_xr), and whether its
+// warps have a slab each (no cross-warp sum; the S = 4 clusters of four)
+constexpr bool xr_slabs_built(int g) {
+  return g == kXrSlabs[0] || g == kXrSlabs[1] || g == kXrSlabs[2] || g == kXrFillSlabs;
+}
+constexpr bool one_warp_a_slab(int g) { return xr_warps(g) == g; }
 // M > 8: (227 KB - the 64 KB reduction scratch) / 2304 B of x a unit, rounded down; M <= 8:
 // the same 162 KB of x rows (144 x 1152 B), enough for K = 9216 at S = 1
 __host__ __device__ constexpr int xr_max_units(int mt) { return mt == 2 ? 72 : 144; }
@@ -145,7 +151,7 @@ inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, const Clus
   for (const int g : {kXrSlabs[0], kXrSlabs[1], kXrSlabs[2], kXrFillSlabs}) {  // (15: only when forced)
     if ((forced_g > 0 && g != forced_g) || (g == kXrFillSlabs && forced_g != g)) continue;
     const int warps = xr_warps(g);
-    const int s_lo = forced_s > 0 ? forced_s : 1, s_hi = forced_s > 0 ? forced_s : warps == g ? 4 : 2;
+    const int s_lo = forced_s > 0 ? forced_s : 1, s_hi = forced_s > 0 ? forced_s : one_warp_a_slab(g) ? 4 : 2;
     for (int s = s_lo; s <= s_hi && s <= ku; ++s) {
       const int chunk = div_up(ku, s), se = div_up(ku, chunk);
       if (chunk > max_units) continue;
@@ -237,7 +243,7 @@ inline Plan choose_plan(int m, int nu, int ku, int bits, int num_sms, const Clus
   // the decoded weights at M <= 8 (kbit_gemv.cuh, scale_weights): 8B gate_up at M = 1 / 2 / 4
   // 21.2 / 21.6 / 21.6 us in them against the 4-warp CTAs' 23.0 / 23.3 / 24.7 (with fp32 scales
   // they lost 3-5% at M <= 3; H200, bench_decode_gemv_k4_xr_scalew_25dd9fc.json).
-  if ((bits == 3 || bits == 4) && classic.warps == kNarrowWarps && xr.splits == 4 && xr_warps(xr.slabs) == xr.slabs &&
+  if ((bits == 3 || bits == 4) && classic.warps == kNarrowWarps && xr.splits == 4 && one_warp_a_slab(xr.slabs) &&
       10LL * 4 * div_up(nu, xr.slabs) >= 8LL * num_sms)
     return {xr.splits, xr_warps(xr.slabs), xr.slabs};
 #endif
