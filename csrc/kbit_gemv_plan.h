@@ -242,7 +242,8 @@ inline Plan choose_plan(int m, int nu, int ku, int bits, int num_sms, const Clus
   // (bench_decode_gemv_k3_resident_ea330db.json). K=4 too since its one-warp-a-slab CTAs scale
   // the decoded weights at M <= 8 (kbit_gemv.cuh, scale_weights): 8B gate_up at M = 1 / 2 / 4
   // 21.2 / 21.6 / 21.6 us in them against the 4-warp CTAs' 23.0 / 23.3 / 24.7 (with fp32 scales
-  // they lost 3-5% at M <= 3; H200, bench_decode_gemv_k4_xr_scalew_25dd9fc.json).
+  // they lost 3-5% at M <= 3; H200, bench_decode_gemv_k4_xr_scalew_25dd9fc.json); as a plan, the
+  // 8B step at M = 1 / 5 1563 / 1687 against 1627 / 1840 us (bench_decode_gemv_k4_plan_verify_4eb4c51.json).
   if ((bits == 3 || bits == 4) && classic.warps == kNarrowWarps && xr.splits == 4 && one_warp_a_slab(xr.slabs) &&
       10LL * 4 * div_up(nu, xr.slabs) >= 8LL * num_sms)
     return {xr.splits, xr_warps(xr.slabs), xr.slabs};
