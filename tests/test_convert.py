@@ -84,9 +84,9 @@ def assert_quantized(src_t, out_t, name, bits, codebook=None):
     assert f"{name}.weight" not in out_t
     assert q.dtype == torch.int32 and q.shape == (n, k // 32 * bits), name
     assert a.dtype == torch.uint8 and a.shape == (n, k // 32), name
-    deq = kf.dequantize(q, a, bits, codebook)
-    assert torch.equal(deq, kf.dequantize(*kf.quantize(w, bits, codebook), bits, codebook)), name
-    return kf.sqnr_db(w.float(), deq)
+    q_ref, a_ref = kf.quantize(w, bits, codebook)
+    assert torch.equal(q, q_ref) and torch.equal(a, a_ref), name  # the stored tensors, bit for bit
+    return kf.sqnr_db(w.float(), kf.dequantize(q, a, bits, codebook))
 
 
 def assert_kept(src_t, out_t, name):
@@ -138,7 +138,7 @@ def test_output_loads_with_transformers_tokenizer(llama, tmp_path):
 
 
 @pytest.mark.parametrize("poison", ["nan", "inf", "huge"])
-def test_bad_weight_fails_naming_tensor_and_leaves_nothing(src_copy, tmp_path, poison):
+def test_bad_weight_fails_naming_tensor_and_leaves_nothing(src_copy, tmp_path, poison, capsys):
     rng = random.Random(SEED)
     name = f"{rng.choice(LINEARS)}.weight"
     shard = src_copy / json.loads((src_copy / INDEX_NAME).read_text())["weight_map"][name]
@@ -164,8 +164,18 @@ def test_bad_weight_fails_naming_tensor_and_leaves_nothing(src_copy, tmp_path, p
     assert sorted(os.listdir(tmp_path)) == before
     assert os.listdir(dst) == ["old.txt"] and (dst / "old.txt").read_text() == "previous"
 
+    capsys.readouterr()
     assert main([str(src_copy), str(tmp_path / "cli"), "--bits", "3"]) != 0
+    assert name in capsys.readouterr().err  # the CLI names the tensor too
     assert not (tmp_path / "cli").exists()
+
+
+def test_dst_that_would_replace_src_is_refused(src_copy, tmp_path):
+    before = sorted(os.listdir(src_copy))
+    for dst in (src_copy, tmp_path):  # SRC itself, or a folder holding it
+        with pytest.raises(ConversionError, match="would replace SRC"):
+            convert(src_copy, dst, 4, overwrite=True, progress=False)
+    assert sorted(os.listdir(src_copy)) == before
 
 
 def test_existing_dst_needs_overwrite(llama, tmp_path):
@@ -225,8 +235,13 @@ def test_quantize_lm_head_refused_when_tied_or_ignored(llama, tmp_path):
 
 def test_partial_ignore_of_a_fused_group_is_refused(llama, tmp_path):
     # vLLM loads q/k/v into one qkv_proj layer: half-quantized, it could not load the checkpoint
-    with pytest.raises(ConversionError, match=r"self_attn.q_proj would stay unquantized .* qkv|ignore all of them"):
+    with pytest.raises(ConversionError, match=r"model\.layers\.0\.self_attn\.q_proj would stay unquantized but "
+                       r"model\.layers\.0\.self_attn\.k_proj, model\.layers\.0\.self_attn\.v_proj would not"):
         convert(llama, tmp_path / "out", 4, ignore=["model.layers.0.self_attn.q_proj"], progress=False)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConversionError, match=r"model\.layers\.1\.mlp\.up_proj would stay unquantized but "
+                       r"model\.layers\.1\.mlp\.gate_proj would not"):
+        convert(llama, tmp_path / "out", 4, ignore=["model.layers.1.mlp.up_proj"], progress=False)
     assert not (tmp_path / "out").exists()
     group = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
     report = convert(llama, tmp_path / "out", 4, ignore=group, progress=False)
@@ -302,7 +317,7 @@ def _already_quantized(llama: Path, p: Path) -> Path:
 @pytest.mark.parametrize("case, kwargs, error, message", [
     ("missing", {}, ConversionError, "does not exist"),
     ("bin_only", {}, ConversionError, "no \\*.safetensors"),
-    ("no_config", {}, ConversionError, "config.json"),
+    ("no_config", {}, ConversionError, "has no config.json"),
     ("quantized", {}, ConversionError, "already quantized"),
     ("ok", {"bits": 1}, KbitFormatError, "bits must be one of"),
     ("ok", {"bits": 6}, KbitFormatError, "bits must be one of"),

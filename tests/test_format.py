@@ -1,6 +1,8 @@
 """The format reference: bit-planes, E4M4, codebook, quantize/dequantize, SQNR."""
 import math
 
+import struct
+
 import pytest
 import torch
 
@@ -91,18 +93,24 @@ def test_quantize_picks_nearest_codebook_entry(bits):
     dist = ((w.double() / scale).unsqueeze(-1) - cb).abs()
     chosen = dist.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
     assert (chosen <= dist.min(-1).values + 1e-6).all()
+    # the block scale is the E4M4 value nearest the block's true absmax
+    amax = w.abs().reshape(64, 8, 32).amax(-1)
+    nearest = (kf.e4m4_table() - amax[..., None]).abs().min(-1).values
+    assert ((kf.decode_e4m4(a) - amax).abs() <= nearest).all()
     # error budget of seed 003: |w - w_hat| <= (max_gap/2 + 1/16) * absmax
     w_hat = kf.dequantize(q, a, bits, dtype=torch.float64)
-    absmax = w.abs().reshape(64, 8, 32).amax(-1).double().repeat_interleave(32, 1)
+    absmax = amax.double().repeat_interleave(32, 1)
     gap = (cb[1:] - cb[:-1]).max()
     assert ((w.double() - w_hat).abs() <= (gap / 2 + 1 / 16) * absmax + 1e-6).all()
 
 
 def test_quantize_custom_codebook_and_errors():
-    cb = torch.tensor([-1.0, -0.2, 0.1, 1.0])
-    w = torch.randn(4, 64)
+    cb = torch.tensor([-1.0, -0.2, 0.1, 1.0])  # far from NF2: the indices must come from it
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
     q, a = kf.quantize(w, 2, cb)
     idx = kf.unpack_bitplanes(q, 2).long()
+    dist = ((w / kf.decode_e4m4(a).repeat_interleave(32, 1)).unsqueeze(-1) - cb).abs()
+    assert (dist.gather(-1, idx.unsqueeze(-1)).squeeze(-1) <= dist.min(-1).values + 1e-6).all()
     assert torch.equal(kf.dequantize(q, a, 2, cb), cb[idx] * kf.decode_e4m4(a).repeat_interleave(32, 1))
     with pytest.raises(kf.KbitFormatError, match="layer.w: in_features 48"):
         kf.quantize(torch.randn(4, 48), 4, name="layer.w")
@@ -129,8 +137,16 @@ def test_underflow_blocks_are_counted_not_silent():
 
 
 def test_from_bitsandbytes_flat_layout():
-    w = torch.randn(8, 128)
+    w = torch.randn(8, 128, generator=torch.Generator().manual_seed(1))
     q, a = kf.quantize(w, 3)
-    flat_q, flat_a = q.flatten().view(torch.uint8), a.flatten()  # bitsandbytes: flat bit-planes, flat absmax
+    # bitsandbytes' buffers: the little-endian bytes of the row-major plane words, flat absmax,
+    # built here byte by byte rather than by viewing q
+    words = [v & 0xFFFFFFFF for v in q.flatten().tolist()]
+    flat_q = torch.tensor(list(struct.pack(f"<{len(words)}I", *words)), dtype=torch.uint8)
+    flat_a = torch.tensor(a.flatten().tolist(), dtype=torch.uint8)
     q2, a2 = kf.from_bitsandbytes(flat_q, flat_a, 8, 128, 3)
     assert torch.equal(q2, q) and torch.equal(a2, a)
+    with pytest.raises(kf.KbitFormatError, match="absmax must be E4M4 uint8"):
+        kf.from_bitsandbytes(flat_q, flat_a.float(), 8, 128, 3)
+    with pytest.raises(kf.KbitFormatError, match="in_features 120"):
+        kf.from_bitsandbytes(flat_q, flat_a, 8, 120, 3)

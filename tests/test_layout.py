@@ -42,8 +42,9 @@ def test_padding_is_zero(bits):
     for c in range(nu * 64):
         for kk in range(0, ku * 64, 1):
             p = kl.position(c, kk)
-            bit = (words[p["nu"], p["ku"], 0, p["lane"], p["w"]] >> (8 * p["q"] + p["e"])) & 1
-            assert int(bit) == (1 if (c < n and kk < k) else 0), (c, kk)
+            for b in range(bits):
+                bit = (words[p["nu"], p["ku"], b, p["lane"], p["w"]] >> (8 * p["q"] + p["e"])) & 1
+                assert int(bit) == (1 if (c < n and kk < k) else 0), (c, kk, b)
         for kb_global in range(ku * 2):
             p = kl.position(c, kb_global * 32)
             code = int(amax[p["nu"], p["ku"], p["g"], p["w"], p["q"]])

@@ -146,6 +146,20 @@ def test_layer_equals_dequantized_reference(kind, bits, dtype, m):
     assert rel_err(y, x.double() @ w.t()) < TOL[dtype]
 
 
+@pytest.mark.parametrize("bits", kf.SUPPORTED_BITS)
+@pytest.mark.parametrize("m", [1, 40])
+def test_layer_uses_the_checkpoint_codebook(bits, m):
+    """A checkpoint's own codebook (config "codebook") reaches the layer's op, not the NF default."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"codebook-{bits}-{m}".encode()))
+    cb = torch.sort(torch.rand(1 << bits, generator=gen) * 2 - 1).values
+    cb[0], cb[-1] = -1.0, 1.0  # the block's absmax lands on an entry, as with NF
+    shards = {None: checkpoint(HIDDEN, INTER, bits, gen, cb)}
+    layer = build("row", bits, torch.bfloat16, shards, cfg=make_config(bits, codebook=cb))
+    w = torch.cat([kf.dequantize(q, a, bits, cb, dtype=torch.float64) for q, a in shards.values()])
+    x = torch.randn(m, INTER, generator=gen).to(torch.bfloat16)
+    assert rel_err(forward(layer, x), x.double() @ w.t()) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("kind", ["qkv", "gate_up", "row"])
 def test_tensor_parallel_2_matches_tp_1(kind):
     bits, dtype = 4, torch.bfloat16
