@@ -284,6 +284,43 @@ def test_custom_codebook_via_cli(llama, tmp_path):
             assert_quantized(src_t, out_t, m, bits, cb)
 
 
+@pytest.mark.parametrize("form", ["object", "config"])
+def test_codebook_from_an_object_or_a_config(llama, tmp_path, form):
+    # --codebook also takes {"codebook": [...]} or a kbit checkpoint's config.json
+    cb = [-1.0, -0.3, 0.2, 1.0]
+    obj = {"codebook": cb} if form == "object" else {"quantization_config": {"quant_method": "kbit", "codebook": cb}}
+    (tmp_path / "cb.json").write_text(json.dumps(obj))
+    assert main([str(llama), str(tmp_path / "out"), "--bits", "2", "--codebook", str(tmp_path / "cb.json"),
+                 "--device", "cpu"]) == 0
+    assert torch.equal(torch.tensor(quant_config(tmp_path / "out")["codebook"]), torch.tensor(cb))  # float32
+    src_t, out_t = load_checkpoint(llama), load_checkpoint(tmp_path / "out")
+    assert_quantized(src_t, out_t, LINEARS[0], 2, torch.tensor(cb))
+
+
+def test_underflow_blocks_are_reported(src_copy, tmp_path):
+    name = f"{LINEARS[1]}.weight"
+    shard = src_copy / json.loads((src_copy / INDEX_NAME).read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    w = tensors[name].clone()
+    w[3, 32:64] = 1e-6  # one non-zero block below half the smallest E4M4 value: stored as zeros
+    tensors[name] = w
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    report = convert(src_copy, tmp_path / "out", 4, progress=False)
+    assert report.underflow_blocks == {name: 1}
+    assert f"underflow {name}: 1 block(s) stored as zeros" in report.summary()
+
+
+def test_moe_experts_and_routers_are_ignored_by_default():
+    from vllm_kbit.convert import ConversionReport, _select
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.experts.3.w1", "model.layers.0.mlp.experts",
+             "model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate", "model.layers.0.mlp.router",
+             "lm_head"]
+    shapes = {f"{n}.weight": [64, 64] for n in names}
+    report = ConversionReport(src="s", dst="d", bits=4)
+    assert _select(dict.fromkeys(names), shapes, [], report) == {"model.layers.0.self_attn.q_proj.weight"}
+    assert all("ignored" in report.skipped[f"{n}.weight"] for n in names[1:])
+
+
 def test_unknown_architecture_uses_name_heuristic(src_copy, tmp_path, capsys):
     config = json.loads((src_copy / "config.json").read_text())
     config.update(model_type="kbit_unknown_arch", architectures=["KbitUnknownForCausalLM"])
