@@ -351,8 +351,32 @@ def _already_quantized(llama: Path, p: Path) -> Path:
     return p
 
 
+def _edited_index(llama: Path, p: Path, case: str) -> Path:
+    """A copy of the model whose index lists a missing file, or a tensor that a second file holds too."""
+    shutil.copytree(llama, p)
+    index = json.loads((p / INDEX_NAME).read_text())
+    if case == "dup":
+        save_file({"model.norm.weight": torch.ones(64)}, str(p / "extra.safetensors"), metadata={"format": "pt"})
+        index["weight_map"]["extra.weight"] = "extra.safetensors"
+    else:
+        index["weight_map"]["extra.weight"] = "nope.safetensors"
+    (p / INDEX_NAME).write_text(json.dumps(index))
+    return p
+
+
+def _not_safetensors(p: Path) -> Path:
+    p.mkdir()
+    (p / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (p / "model.safetensors").write_bytes(b"\xff" * 64)
+    return p
+
+
 @pytest.mark.parametrize("case, kwargs, error, message", [
     ("missing", {}, ConversionError, "does not exist"),
+    ("dup", {}, ConversionError, "tensor model.norm.weight appears in more than one safetensors file"),
+    ("index_missing", {}, ConversionError, "lists missing file\\(s\\): nope.safetensors"),
+    ("not_safetensors", {}, ConversionError, "model.safetensors is not a safetensors file"),
+    ("ok", {"max_shard_size": "0MB"}, ConversionError, "size must be positive"),
     ("bin_only", {}, ConversionError, "no \\*.safetensors"),
     ("no_config", {}, ConversionError, "has no config.json"),
     ("quantized", {}, ConversionError, "already quantized"),
@@ -368,6 +392,9 @@ def _already_quantized(llama: Path, p: Path) -> Path:
 def test_bad_inputs(llama, tmp_path, case, kwargs, error, message):
     src = {"missing": lambda: tmp_path / "nope", "bin_only": lambda: _bin_only(tmp_path / "bin"),
            "no_config": lambda: _no_config(tmp_path / "nocfg"),
+           "dup": lambda: _edited_index(llama, tmp_path / "dup", "dup"),
+           "index_missing": lambda: _edited_index(llama, tmp_path / "idx", "missing"),
+           "not_safetensors": lambda: _not_safetensors(tmp_path / "garbage"),
            "quantized": lambda: _already_quantized(llama, tmp_path / "q"), "ok": lambda: llama}[case]()
     kwargs = {"bits": 2, **kwargs}
     bits = kwargs.pop("bits")
@@ -415,3 +442,18 @@ def test_unmapped_2d_weights_are_copied_and_listed_in_ignore(tmp_path):
     assert extra in report.unmapped_2d
     assert "model.layers.0.mlp.extra_proj" in quant_config(tmp_path / "out")["ignore"]
     assert same_bytes(load_checkpoint(src)[extra], load_checkpoint(tmp_path / "out")[extra])
+
+
+@pytest.mark.parametrize("size, nbytes", [(4096, 4096), ("2GB", 2 * 10**9), ("512MiB", 512 * 2**20),
+                                          ("100kb", 10**5), (" 1.5 GiB ", int(1.5 * 2**30)), ("123", 123)])
+def test_parse_size(size, nbytes):
+    from vllm_kbit.convert import parse_size
+    assert parse_size(size) == nbytes
+
+
+@pytest.mark.parametrize("size, message", [(0, "must be positive"), (-5, "must be positive"), ("0GB", "must be positive"),
+                                           ("2 GBs", "bad size"), ("GB", "bad size")])
+def test_parse_size_errors(size, message):
+    from vllm_kbit.convert import parse_size
+    with pytest.raises(ConversionError, match=message):
+        parse_size(size)
