@@ -388,6 +388,7 @@ def _not_safetensors(p: Path) -> Path:
     ("ok", {"codebook": [-1.0, float("nan"), 0.5, 1.0]}, KbitFormatError, "non-finite"),
     ("ok", {"max_shard_size": "lots"}, ConversionError, "bad size"),
     ("ok", {"ignore": ["re:("]}, ConversionError, "bad ignore regex"),
+    ("ok", {"device": "tpu:x"}, ConversionError, "bad device 'tpu:x'"),
 ])
 def test_bad_inputs(llama, tmp_path, case, kwargs, error, message):
     src = {"missing": lambda: tmp_path / "nope", "bin_only": lambda: _bin_only(tmp_path / "bin"),
@@ -457,3 +458,10 @@ def test_parse_size_errors(size, message):
     from vllm_kbit.convert import parse_size
     with pytest.raises(ConversionError, match=message):
         parse_size(size)
+
+
+def test_cuda_device_without_cuda_is_refused(llama, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConversionError, match="device cuda requested but CUDA is not available"):
+        convert(llama, tmp_path / "out", 4, device="cuda", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -53,6 +53,11 @@ def test_e4m4_encode_exact_monotone_nearest():
     neighbours = (t.unsqueeze(0) - x.unsqueeze(1)).abs().min(1).values
     assert torch.equal(err, neighbours), "encode must pick a nearest representable value"
     assert (err[x >= 2.0 ** -10] <= x[x >= 2.0 ** -10] / 32 + 1e-7).all(), "normal range: <= 1/32 relative"
+    # a value halfway between two codes takes the larger one (the CUDA quantize kernel's rule too)
+    mid = (t[:-1].double() + t[1:].double()) / 2
+    exact = mid.float().double() == mid  # midpoints float32 holds exactly
+    assert exact.sum() > 200
+    assert torch.equal(kf.encode_e4m4(mid.float())[exact], torch.arange(1, 256, dtype=torch.uint8)[exact])
 
 
 @pytest.mark.parametrize("bits", BITS)
