@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vllm_kbit import format as kf
-from vllm_kbit.convert import INDEX_NAME, ConversionError, convert, main
+from vllm_kbit.convert import INDEX_NAME, ConversionError, convert, main, parse_size
 from vllm_kbit.format import KbitFormatError
 from vllm_kbit.synthetic import make_random_llama
 
@@ -137,17 +137,24 @@ def test_output_loads_with_transformers_tokenizer(llama, tmp_path):
     assert AutoTokenizer.from_pretrained(dst)(text).input_ids == AutoTokenizer.from_pretrained(llama)(text).input_ids
 
 
+def rewrite_weight(src: Path, name: str, edit) -> None:
+    """Apply `edit` to a clone of tensor `name` and save it back into its shard of `src`."""
+    shard = src / json.loads((src / INDEX_NAME).read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = tensors[name].clone()
+    edit(tensors[name])
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize("poison", ["nan", "inf", "huge"])
 def test_bad_weight_fails_naming_tensor_and_leaves_nothing(src_copy, tmp_path, poison, capsys):
     rng = random.Random(SEED)
     name = f"{rng.choice(LINEARS)}.weight"
-    shard = src_copy / json.loads((src_copy / INDEX_NAME).read_text())["weight_map"][name]
-    tensors = load_file(shard)
-    w = tensors[name].clone()
-    w[rng.randrange(w.shape[0]), rng.randrange(w.shape[1])] = {"nan": float("nan"), "inf": float("-inf"),
-                                                              "huge": 2 * kf.E4M4_MAX}[poison]
-    tensors[name] = w
-    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+    def poison_one(w):
+        w[rng.randrange(w.shape[0]), rng.randrange(w.shape[1])] = {"nan": float("nan"), "inf": float("-inf"),
+                                                                  "huge": 2 * kf.E4M4_MAX}[poison]
+    rewrite_weight(src_copy, name, poison_one)
 
     before = sorted(os.listdir(tmp_path))
     with pytest.raises(KbitFormatError, match=re.escape(name)):
@@ -299,12 +306,8 @@ def test_codebook_from_an_object_or_a_config(llama, tmp_path, form):
 
 def test_underflow_blocks_are_reported(src_copy, tmp_path):
     name = f"{LINEARS[1]}.weight"
-    shard = src_copy / json.loads((src_copy / INDEX_NAME).read_text())["weight_map"][name]
-    tensors = load_file(shard)
-    w = tensors[name].clone()
-    w[3, 32:64] = 1e-6  # one non-zero block below half the smallest E4M4 value: stored as zeros
-    tensors[name] = w
-    save_file(tensors, str(shard), metadata={"format": "pt"})
+    # one non-zero block below half the smallest E4M4 value: stored as zeros
+    rewrite_weight(src_copy, name, lambda w: w[3, 32:64].fill_(1e-6))
     report = convert(src_copy, tmp_path / "out", 4, progress=False)
     assert report.underflow_blocks == {name: 1}
     assert f"underflow {name}: 1 block(s) stored as zeros" in report.summary()
@@ -448,14 +451,12 @@ def test_unmapped_2d_weights_are_copied_and_listed_in_ignore(tmp_path):
 @pytest.mark.parametrize("size, nbytes", [(4096, 4096), ("2GB", 2 * 10**9), ("512MiB", 512 * 2**20),
                                           ("100kb", 10**5), (" 1.5 GiB ", int(1.5 * 2**30)), ("123", 123)])
 def test_parse_size(size, nbytes):
-    from vllm_kbit.convert import parse_size
     assert parse_size(size) == nbytes
 
 
 @pytest.mark.parametrize("size, message", [(0, "must be positive"), (-5, "must be positive"), ("0GB", "must be positive"),
                                            ("2 GBs", "bad size"), ("GB", "bad size")])
 def test_parse_size_errors(size, message):
-    from vllm_kbit.convert import parse_size
     with pytest.raises(ConversionError, match=message):
         parse_size(size)
 

@@ -1,6 +1,5 @@
 """The format reference: bit-planes, E4M4, codebook, quantize/dequantize, SQNR."""
 import math
-
 import struct
 
 import pytest
@@ -87,17 +86,21 @@ def test_sqnr_normal_4m(bits, min_db):
     assert kf.sqnr_db(w, kf.dequantize(q, a, bits)) >= min_db
 
 
+def assert_nearest_entries(w, q, a, bits, cb):
+    """Every stored index is a codebook entry nearest to w / decode(absmax) (ties: either)."""
+    scale = kf.decode_e4m4(a).double().repeat_interleave(32, 1)
+    idx = kf.unpack_bitplanes(q, bits).long()
+    dist = ((w.double() / scale).unsqueeze(-1) - cb.double()).abs()
+    assert (dist.gather(-1, idx.unsqueeze(-1)).squeeze(-1) <= dist.min(-1).values + 1e-6).all()
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_quantize_picks_nearest_codebook_entry(bits):
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(bits)) * 0.05
     q, a = kf.quantize(w, bits)
     assert q.shape == (64, 256 // 32 * bits) and a.shape == (64, 8) and a.dtype == torch.uint8
     cb = kf.normal_float_codebook(bits).double()
-    scale = kf.decode_e4m4(a).double().repeat_interleave(32, 1)
-    idx = kf.unpack_bitplanes(q, bits).long()
-    dist = ((w.double() / scale).unsqueeze(-1) - cb).abs()
-    chosen = dist.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
-    assert (chosen <= dist.min(-1).values + 1e-6).all()
+    assert_nearest_entries(w, q, a, bits, cb)
     # the block scale is the E4M4 value nearest the block's true absmax
     amax = w.abs().reshape(64, 8, 32).amax(-1)
     nearest = (kf.e4m4_table() - amax[..., None]).abs().min(-1).values
@@ -113,9 +116,8 @@ def test_quantize_custom_codebook_and_errors():
     cb = torch.tensor([-1.0, -0.2, 0.1, 1.0])  # far from NF2: the indices must come from it
     w = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
     q, a = kf.quantize(w, 2, cb)
+    assert_nearest_entries(w, q, a, 2, cb)
     idx = kf.unpack_bitplanes(q, 2).long()
-    dist = ((w / kf.decode_e4m4(a).repeat_interleave(32, 1)).unsqueeze(-1) - cb).abs()
-    assert (dist.gather(-1, idx.unsqueeze(-1)).squeeze(-1) <= dist.min(-1).values + 1e-6).all()
     assert torch.equal(kf.dequantize(q, a, 2, cb), cb[idx] * kf.decode_e4m4(a).repeat_interleave(32, 1))
     with pytest.raises(kf.KbitFormatError, match="layer.w: in_features 48"):
         kf.quantize(torch.randn(4, 48), 4, name="layer.w")

@@ -118,8 +118,8 @@ def shards_for(kind, bits, gen):
     return {None: checkpoint(HIDDEN, INTER, bits, gen)}
 
 
-def full_weight(shards, bits):
-    return torch.cat([kf.dequantize(q, a, bits, dtype=torch.float64) for q, a in shards.values()])
+def full_weight(shards, bits, cb=None):
+    return torch.cat([kf.dequantize(q, a, bits, cb, dtype=torch.float64) for q, a in shards.values()])
 
 
 def forward(layer, x):
@@ -155,7 +155,7 @@ def test_layer_uses_the_checkpoint_codebook(bits, m):
     cb[0], cb[-1] = -1.0, 1.0  # the block's absmax lands on an entry, as with NF
     shards = {None: checkpoint(HIDDEN, INTER, bits, gen, cb)}
     layer = build("row", bits, torch.bfloat16, shards, cfg=make_config(bits, codebook=cb))
-    w = torch.cat([kf.dequantize(q, a, bits, cb, dtype=torch.float64) for q, a in shards.values()])
+    w = full_weight(shards, bits, cb)
     x = torch.randn(m, INTER, generator=gen).to(torch.bfloat16)
     assert rel_err(forward(layer, x), x.double() @ w.t()) < TOL[torch.bfloat16]
 
