@@ -213,6 +213,8 @@ def main() -> None:
     results = {}
     for name in args.configs.split(","):
         base_name, *assignments = name.split("+")  # e.g. kbit4+KBIT_PDL=1: environment of that engine
+        if name in results:  # a config named again (A, B, A, B alternation): its own row, "NAME#2"
+            name = f"{name}#{sum(k.split('#')[0] == name for k in results) + 1}"
         c = CONFIGS[base_name]
         env = dict(os.environ, **dict(a.split("=", 1) for a in assignments))
         model, extra = base, []

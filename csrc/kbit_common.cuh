@@ -37,6 +37,7 @@ struct StreamParams {
   int ku_count;              // k_units(k)
   int chunk;                 // K-units per split (the K range of one CTA)
   bool pdl;                  // launched with programmatic dependent launch (use_pdl())
+  bool trigger;              // allow_dependents() once the main loop is done (pdl_trigger())
 };
 
 template <typename T> struct Vec2;
@@ -220,6 +221,17 @@ template <typename Kernel> bool max_active_clusters(Kernel kernel, int s, int th
 __device__ __forceinline__ void wait_prior_grids() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// The other half of PDL: lets the next kernel on the stream, if it was launched with the
+// attribute, be scheduled before this grid ends (PTX: once every CTA has executed it or exited;
+// the first thread of a CTA to execute it counts for the CTA). Its own wait still blocks until
+// this grid has completed and its writes are visible, so this is only safe where the CTA reads
+// no global input any more: after the main loop, every copy into shared memory consumed.
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 

@@ -103,6 +103,7 @@ cudaError_t launch_gemv(DType dtype, const void* x, const uint32_t* packed, cons
   p.m = m; p.n = n; p.k = k;
   p.ku_count = k_units(k);
   p.pdl = use_pdl();
+  p.trigger = pdl_trigger();
   const Resolved r = resolve(m, n, k, bits, num_sms, splits);
   p.chunk = div_up(p.ku_count, r.splits);
   switch (bits) {

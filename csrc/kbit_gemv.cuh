@@ -456,6 +456,10 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   // ---- reduce: warps of the CTA through shared memory, then the CTAs of the cluster through
   // distributed shared memory; every sum runs in a fixed order (deterministic).
   __syncthreads();  // the table region (and, x resident, the x rows under `part`) is reused below
+  // every warp is past its loads (the bias is a weight); M <= 8 only (pdl_trigger, kbit_ops.h)
+  if constexpr (MT == 1) {
+    if (p.trigger) allow_dependents();
+  }
   float* red = reinterpret_cast<float*>(smem);
   float* part = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + S::kPart);
   // part[slab][e]: the sum over that slab's warps (warp_cta = slab * kWarps + warp)

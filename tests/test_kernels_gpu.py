@@ -406,21 +406,84 @@ def test_pdl_launch_chain(tmp_path):
     """Programmatic dependent launch (on sm_90 unless KBIT_PDL=0, read once per process: one
     subprocess each way): in a CUDA graph, a torch kernel writes x, a GEMM reads it, and a second GEMM reads
     the first one's output, so each GEMM's griddepcontrol.wait is what keeps it from reading its
-    input early. K = 2, 4, 5, M = 1, 16 (GEMV), 64, 200 (wgmma), outputs NaN-filled before every
-    replay: the same bits with and without the attribute, and both layers meet the float64
-    reference (the second one on the first one's actual output)."""
+    input early; at M = 1 the first GEMM also lets the second launch before it has reduced and
+    written (allow_dependents; KBIT_PDL_TRIGGER=0 is the third run). K = 2, 4, 5, M = 1, 16 (GEMV),
+    64, 200 (wgmma), outputs NaN-filled before every replay: the same bits in all three runs, and
+    both layers meet the float64 reference (the second one on the first one's actual output)."""
     outs = {}
-    for name, env in (("pdl", {}), ("no_pdl", {"KBIT_PDL": "0"})):
+    for name, env in (("pdl", {}), ("no_pdl", {"KBIT_PDL": "0"}), ("no_trigger", {"KBIT_PDL_TRIGGER": "0"})):
         f = tmp_path / f"{name}.pt"
         subprocess.run([sys.executable, "-c", _PDL_CHAIN, str(f)], check=True, timeout=300,
                        env=dict(os.environ, **env))
         outs[name] = torch.load(f)
         assert len(outs[name]) == 24
     for i, (y1, y2, ref1, ref2) in enumerate(outs["pdl"]):
-        assert torch.equal(y1, outs["no_pdl"][i][0]) and torch.equal(y2, outs["no_pdl"][i][1]), i
+        for other in ("no_pdl", "no_trigger"):
+            assert torch.equal(y1, outs[other][i][0]) and torch.equal(y2, outs[other][i][1]), (i, other)
         for y, ref in ((y1, ref1), (y2, ref2)):
             assert torch.isfinite(y).all(), i
             assert _rel_err(y, ref) < TOL[torch.bfloat16], (i, _rel_err(y, ref))
+
+
+_INDUCTOR_PDL = _SCRIPT_PRELUDE + r"""
+out = []
+n = k = 2080
+for bits in (2, 4):
+    g = torch.Generator(device="cuda").manual_seed(10 + bits)
+    packed, ap, cb, w64 = weight(n, k, bits, g)
+
+    def layer(a, r):  # Triton writes x, the GEMM reads it, Triton reads y and writes over r
+        y = torch.ops.kbit.gemm(a * 2.0 + r, packed, ap, cb, bits, n, k, None)
+        r.mul_(0.5)
+        return y * 0.5 + 1.0
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    for m in (1, 4, 16):  # GEMV with the early trigger (M <= 8), without (the x ring)
+        a = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        r = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                compiled(a, r.clone())
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        r_static = r.clone()
+        with torch.cuda.graph(graph):
+            y = compiled(a, r_static)
+        for _ in range(2):
+            a.copy_(torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16))
+            r0 = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+            r_static.copy_(r0)
+            y.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            x = (a.float() * 2.0 + r0.float()).to(torch.bfloat16).double()  # the GEMM's input as Inductor rounds it
+            out.append((y.cpu(), ((x @ w64.t()) * 0.5 + 1.0).cpu(), r_static.cpu(), (r0.double() * 0.5).cpu()))
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_inductor_pdl_neighbours(tmp_path):
+    """The GEMM between two Triton kernels of a torch.compile graph replayed from a CUDA graph, as
+    in vLLM, with Inductor's own PDL (TORCHINDUCTOR_ENABLE_PDL=1: its kernels wait with
+    gdc_wait and let their successor launch after their last load, before their stores) and
+    without: the GEMM must wait for the kernel that writes its input, and the kernel after it
+    (launched early at M <= 8, allow_dependents) must see its output. K = 2, 4, M = 1, 4, 16,
+    outputs NaN-filled before every replay: the same bits either way, and within the bf16
+    tolerance of the float64 reference."""
+    outs = {}
+    for name, flag in (("pdl", "1"), ("no_pdl", "0")):
+        f = tmp_path / f"{name}.pt"
+        subprocess.run([sys.executable, "-c", _INDUCTOR_PDL, str(f)], check=True, timeout=600,
+                       env=dict(os.environ, TORCHINDUCTOR_ENABLE_PDL=flag))
+        outs[name] = torch.load(f)
+        assert len(outs[name]) == 12
+    for i, (y, ref, r, r_ref) in enumerate(outs["pdl"]):
+        assert torch.equal(y, outs["no_pdl"][i][0]) and torch.equal(r, outs["no_pdl"][i][2]), i
+        assert torch.isfinite(y).all(), i
+        assert _rel_err(y, ref) < TOL[torch.bfloat16], (i, _rel_err(y, ref))
+        assert torch.equal(r.double(), r_ref.to(torch.bfloat16).double()), i
 
 
 @pytest.mark.parametrize("bits", [3, 4])
