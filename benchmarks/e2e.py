@@ -9,6 +9,7 @@ Machete), and kbit K = 2..5, each in its own engine process, same method for all
 
     python3 benchmarks/e2e.py --workdir /tmp/e2e [--configs bf16,gptq4,kbit4] [--num-prompts 1000] [--tag NAME]
     python3 benchmarks/e2e.py --configs kbit4,kbit4+KBIT_PDL=1   # A/B: a config + its engine's environment
+    python3 benchmarks/e2e.py --configs A,B,A,B                   # alternated: rows A, B, A#2, B#2
     python3 benchmarks/e2e.py --configs kbit4,kbit4_lmhead       # lm_head kbit too ("lm_head": true)
 
 Weights: bf16 and kbit use --load-format dummy (kbit fills random *valid* kbit weights); GPTQ
@@ -16,7 +17,8 @@ gets a real checkpoint with valid packed 4-bit weights (round-to-nearest, group 
 here), because dummy loading leaves integer tensors uninitialised, and because on a folder
 without safetensors vLLM quantizes no layer of a GPTQ config (gptq4_dummy shows it).
 Results: JSON + markdown table + PNG in benchmarks/results/ (--out), named e2e_SHAPE.* unless
---tag names them.
+--tag names them; the JSON and the table are rewritten after every engine, so a timeout keeps
+what was measured.
 """
 from __future__ import annotations
 
@@ -250,10 +252,11 @@ def main() -> None:
         kernel = [l for l in lines if "Using" in l and "Kernel" in l]
         results[name]["kernel_log"] = kernel[:2]
         print(name, results[name], flush=True)
+        report(args, results, final=False)  # what is measured so far survives a timeout of the rest
     report(args, results)
 
 
-def report(args, results) -> None:
+def report(args, results, final: bool = True) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
              # the device machine gets the tree without .git: the caller passes the commit
@@ -272,6 +275,8 @@ def report(args, results) -> None:
                     f"{r.get('throughput_req_s', float('nan')):.1f} | {r['kv_cache_tokens']} | {r['gpu_mem_used_gib']:.1f} |")
     md = f"{stamp['gpu']}, {stamp['date']}, commit {stamp['commit']}\n\n`{stamp['command']}`\n\n" + "\n".join(rows) + "\n"
     (args.out / f"{tag}.md").write_text(md)
+    if not final:
+        return
     print(md)
     try:
         import matplotlib
