@@ -120,11 +120,11 @@ inline bool use_pdl() {
 // (allow_dependents, kbit_common.cuh), while they reduce and write. Only a kernel launched with
 // PDL reacts: ours, and Inductor's Triton kernels (vLLM's norms, activation, rotary) when
 // TORCHINDUCTOR_ENABLE_PDL=1. Measured (H200, fae51cc + this, one call, alternated twice,
-// e2e_pdl_trigger_m8): vLLM 8B K=4 with Inductor's PDL, bs=1 0.636 / 0.632 s against 0.647 /
-// 0.644 without the trigger; bs=16 (M = 16, no trigger) 0.829 / 0.828 against 0.831 / 0.833;
-// the decode chain (bench_decode.py, our GEMMs back to back) M = 1 / 8 1526 / 1754 against
-// 1560 / 1767 us. At M = 16 and in the wgmma kernel it is not used: triggered there too, bs=16
-// took 0.850 s against 0.827 (e2e_pdl_trigger); without Inductor's PDL both were even (0.665 /
+// e2e_8b_pdl_trigger_m8.json): vLLM 8B K=4 with Inductor's PDL, bs=1 0.636 / 0.632 s against 0.647
+// / 0.644 without the trigger; bs=16 (M = 16, no trigger) 0.829 / 0.828 against 0.831 / 0.833; the
+// decode chain (bench_decode.py, our GEMMs back to back) M = 1 / 8 1526 / 1754 against 1560 / 1767
+// us. At M = 16 and in the wgmma kernel it is not used: triggered there too, bs=16 took 0.850 s
+// against 0.827 (e2e_8b_pdl_trigger_all_probe.md); without Inductor's PDL both were even (0.665 /
 // 0.848 against 0.664 / 0.852 s). KBIT_PDL_TRIGGER=0 turns it off.
 inline bool pdl_trigger() {
   static const bool disabled = env_off("KBIT_PDL_TRIGGER");
