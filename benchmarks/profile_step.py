@@ -53,10 +53,24 @@ def summarize(events, wall):
         a = by_name.setdefault(n[:90], [0, 0.0])
         a[0] += 1
         a[1] += e - s
+    # our kernels per launch shape (name, grid), so each layer's mean time can be set beside
+    # bench_decode.py --per-shape
+    # bench_decode.py --per-shape, and how much of it overlaps the kernel before (a PDL launch
+    # that waits counts its wait as its own time)
+    launches, prev_end = {}, None
+    for ev in sorted(events, key=lambda e: e["ts"]):
+        if "kbit" in ev["name"]:
+            a = launches.setdefault(f"{ev['name'][:70]} grid={tuple(ev.get('args', {}).get('grid', ()))}", [0, 0.0, 0.0])
+            a[0] += 1
+            a[1] += ev["dur"]
+            a[2] += max(0.0, min(prev_end, ev["ts"] + ev["dur"]) - ev["ts"]) if prev_end is not None else 0.0
+        prev_end = max(prev_end or 0.0, ev["ts"] + ev["dur"])
     span = (ks[-1][1] - ks[0][0]) if ks else 0.0
     return {"wall_s": wall, "kernel_span_us": span, "gpu_busy_us": busy, "kernels": len(ks),
             "sum_kernel_us": sum(e - s for s, e, _ in ks), "by_class_us": dict(sorted(by_cls.items(), key=lambda kv: -kv[1])),
-            "top": sorted(([k, v[0], v[1]] for k, v in by_name.items()), key=lambda r: -r[2])[:30]}
+            "top": sorted(([k, v[0], v[1]] for k, v in by_name.items()), key=lambda r: -r[2])[:30],
+            "kbit_launches": sorted(([k, v[0], v[1] / v[0], v[2] / v[0]] for k, v in launches.items()),
+                                    key=lambda r: -r[1] * r[2])[:12]}
 
 
 def main():
@@ -105,7 +119,12 @@ def main():
             print(f"   {c:16s} {us/1e3:8.1f} ms  {us/256:8.1f} us/step", flush=True)
         for n, cnt, us in s["top"][:14]:
             print(f"   {us/1e3:8.1f} ms {cnt:7d}x  {n}", flush=True)
-    (args.out / f"profile_{args.config}.json").write_text(json.dumps(res, indent=1))
+        for n, cnt, us, ov in s["kbit_launches"]:
+            print(f"   kbit launch {us:7.2f} us mean ({ov:5.2f} overlapping the kernel before) {cnt:7d}x  {n}", flush=True)
+    from bench_gemm import git_commit
+    meta = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()),
+            "commit": git_commit(), "command": " ".join([sys.executable] + sys.argv), "torch": torch.__version__}
+    (args.out / f"profile_{args.config}.json").write_text(json.dumps({"meta": meta, "runs": res}, indent=1))
 
 
 if __name__ == "__main__":

@@ -85,20 +85,37 @@ def have(op_name):
         return False
 
 
+def capture_graph(fn, warmups=2):
+    """(graph, what the captured fn() returned): fn warmed up on a side stream first, as
+    torch.cuda.graphs asks, so lazy initialisation stays out of the capture."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def replay_poisoned(graph, *outs):
+    """Replay with the outputs NaN-filled first, so a store the replay skips cannot pass."""
+    for y in outs:
+        y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def check_graph_capture(path, m=64, n=4096, k=4096, bits=4):
     """The path captured in a CUDA graph and replayed on fresh x equals float64 each time."""
     packed, absmax, cb, w = weight(n, k, bits)
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    run(path, x, packed, absmax, cb, bits, n, k)  # warm up outside the capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s), torch.cuda.graph(g):
-        y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, path, 0)
-    torch.cuda.current_stream().wait_stream(s)
+    g, y = capture_graph(lambda: torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, path, 0))
     for _ in range(2):
         x.copy_(torch.randn_like(x))
-        g.replay()
+        replay_poisoned(g, y)
         ref = x.double() @ w.t()
         err = ((y.double() - ref).norm() / ref.norm()).item()
         assert err < TOL[torch.float16], f"graph replay: relative error {err:.3e}"

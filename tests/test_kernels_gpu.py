@@ -190,6 +190,7 @@ import sys
 import torch
 from vllm_kbit import format as kf
 from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+from gemm_cases import capture_graph, replay_poisoned  # tests/ is on PYTHONPATH (_run_script)
 
 
 def weight(n, k, bits, g):  # a random tiled weight (_random_weight without the special blocks)
@@ -199,6 +200,17 @@ def weight(n, k, bits, g):  # a random tiled weight (_random_weight without the 
     cb = kf.normal_float_codebook(bits, "cuda")
     return packed, ap, cb, kf.dequantize(qweight, absmax, bits, cb, dtype=torch.float64)
 """
+
+
+
+
+def _run_script(script, out, timeout=300, **env):
+    """Run one of the scripts below in a fresh process with `env` added (the switches are
+    read once per process) and return what it saved to `out`."""
+    path = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, "-c", script, str(out)], check=True, timeout=timeout,
+                   env=dict(os.environ, PYTHONPATH=path, **env))
+    return torch.load(out)
 
 
 _GEMV_OUTPUTS = _SCRIPT_PRELUDE + r"""
@@ -237,10 +249,7 @@ def test_gemv_variants(tmp_path):
     where the K range fits beside it (K=3,4): bit-identical to the packed table's results too."""
     outs = {}
     for name, env in GEMV_VARIANTS:
-        f = tmp_path / f"{name}.pt"
-        subprocess.run([sys.executable, "-c", _GEMV_OUTPUTS, str(f)], check=True, timeout=300,
-                       env=dict(os.environ, **env))
-        outs[name] = torch.load(f)
+        outs[name] = _run_script(_GEMV_OUTPUTS, tmp_path / f"{name}.pt", **env)
         assert len(outs[name]) == 36
     for i in range(36):
         y, ref = outs["default"][i]
@@ -277,10 +286,7 @@ torch.save(out, sys.argv[1])
 def test_gemv_resident_splits(tmp_path, slabs):
     """x resident in CTAs of 2, 4, 15 (15 warps), 16 slabs (KBIT_GEMV_XR_SLABS, read once: a subprocess each)
     with every split-K cluster size 1..4 meets the float64 reference."""
-    f = tmp_path / "out.pt"
-    subprocess.run([sys.executable, "-c", _GEMV_XR_SPLITS, str(f)], check=True, timeout=300,
-                   env=dict(os.environ, KBIT_GEMV_XR_SLABS=str(slabs)))
-    outs = torch.load(f)
+    outs = _run_script(_GEMV_XR_SPLITS, tmp_path / "out.pt", KBIT_GEMV_XR_SLABS=str(slabs))
     assert len(outs) == 2 * 3 * 4 * 3
     for i, (y, ref, dtype) in enumerate(outs):
         tol = TOL[torch.float16 if dtype == str(torch.float16) else torch.bfloat16]
@@ -362,10 +368,7 @@ def test_dequant_path_row_chunks(tmp_path):
     process, hence a subprocess): W is dequantized and multiplied 64 rows at a time, so every
     chunk but the first starts at n_begin > 0 and the last ends inside a 64-column slab.
     K = 2..5, fp16 and bf16, with bias, against float64."""
-    f = tmp_path / "chunks.pt"
-    subprocess.run([sys.executable, "-c", _DEQUANT_CHUNKS, str(f)], check=True, timeout=300,
-                   env=dict(os.environ, KBIT_DEQUANT_CHUNK_MIB="1"))
-    outs = torch.load(f)
+    outs = _run_script(_DEQUANT_CHUNKS, tmp_path / "chunks.pt", KBIT_DEQUANT_CHUNK_MIB="1")
     assert len(outs) == 16
     for i, (y, ref) in enumerate(outs):
         dtype = torch.float16 if i % 2 == 0 else torch.bfloat16
@@ -383,20 +386,11 @@ for bits in (2, 4, 5):
         x_static = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
         chain = lambda: (lambda y1: (y1, torch.ops.kbit.gemm(y1, packed, ap, cb, bits, n, k, None)))(
             torch.ops.kbit.gemm(x_static * 2, packed, ap, cb, bits, n, k, None))
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            chain()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y1, y2 = chain()
+        graph, (y1, y2) = capture_graph(chain)
         for _ in range(2):
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
             x_static.copy_(x)
-            y1.fill_(float("nan")); y2.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
+            replay_poisoned(graph, y1, y2)
             out.append((y1.cpu(), y2.cpu(), (2 * x.double() @ w64.t()).cpu(), (y1.double() @ w64.t()).cpu()))
 torch.save(out, sys.argv[1])
 """
@@ -412,10 +406,7 @@ def test_pdl_launch_chain(tmp_path):
     both layers meet the float64 reference (the second one on the first one's actual output)."""
     outs = {}
     for name, env in (("pdl", {}), ("no_pdl", {"KBIT_PDL": "0"}), ("no_trigger", {"KBIT_PDL_TRIGGER": "0"})):
-        f = tmp_path / f"{name}.pt"
-        subprocess.run([sys.executable, "-c", _PDL_CHAIN, str(f)], check=True, timeout=300,
-                       env=dict(os.environ, **env))
-        outs[name] = torch.load(f)
+        outs[name] = _run_script(_PDL_CHAIN, tmp_path / f"{name}.pt", **env)
         assert len(outs[name]) == 24
     for i, (y1, y2, ref1, ref2) in enumerate(outs["pdl"]):
         for other in ("no_pdl", "no_trigger"):
@@ -441,25 +432,14 @@ for bits in (2, 4):
     for m in (1, 4, 16):  # GEMV with the early trigger (M <= 8), without (the x ring)
         a = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
         r = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                compiled(a, r.clone())
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        r_static = r.clone()
-        with torch.cuda.graph(graph):
-            y = compiled(a, r_static)
+        graph, y = capture_graph(lambda: compiled(a, r))  # r is rewritten before each replay
         for _ in range(2):
             a.copy_(torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16))
             r0 = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-            r_static.copy_(r0)
-            y.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
+            r.copy_(r0)
+            replay_poisoned(graph, y)
             x = (a.float() * 2.0 + r0.float()).to(torch.bfloat16).double()  # the GEMM's input as Inductor rounds it
-            out.append((y.cpu(), ((x @ w64.t()) * 0.5 + 1.0).cpu(), r_static.cpu(), (r0.double() * 0.5).cpu()))
+            out.append((y.cpu(), ((x @ w64.t()) * 0.5 + 1.0).cpu(), r.cpu(), (r0.double() * 0.5).cpu()))
 torch.save(out, sys.argv[1])
 """
 
@@ -474,10 +454,7 @@ def test_inductor_pdl_neighbours(tmp_path):
     tolerance of the float64 reference."""
     outs = {}
     for name, flag in (("pdl", "1"), ("no_pdl", "0")):
-        f = tmp_path / f"{name}.pt"
-        subprocess.run([sys.executable, "-c", _INDUCTOR_PDL, str(f)], check=True, timeout=600,
-                       env=dict(os.environ, TORCHINDUCTOR_ENABLE_PDL=flag))
-        outs[name] = torch.load(f)
+        outs[name] = _run_script(_INDUCTOR_PDL, tmp_path / f"{name}.pt", timeout=600, TORCHINDUCTOR_ENABLE_PDL=flag)
         assert len(outs[name]) == 12
     for i, (y, ref, r, r_ref) in enumerate(outs["pdl"]):
         assert torch.equal(y, outs["no_pdl"][i][0]) and torch.equal(r, outs["no_pdl"][i][2]), i
@@ -549,20 +526,11 @@ def test_cuda_graph_replay_equals_eager(m):
     _, _, packed, ap, _, cb = _case(n, k, bits)
     bias = torch.randn(n, device=DEV, dtype=dtype)
     x_static = torch.randn(m, k, device=DEV, dtype=dtype)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm up off the capture stream
-        for _ in range(2):
-            torch.ops.kbit.gemm(x_static, packed, ap, cb, bits, n, k, bias)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = torch.ops.kbit.gemm(x_static, packed, ap, cb, bits, n, k, bias)
+    graph, y_static = gemm_cases.capture_graph(lambda: torch.ops.kbit.gemm(x_static, packed, ap, cb, bits, n, k, bias))
     for _ in range(3):
         x_new = torch.randn(m, k, device=DEV, dtype=dtype)
         x_static.copy_(x_new)
-        graph.replay()
-        torch.cuda.synchronize()
+        gemm_cases.replay_poisoned(graph, y_static)
         eager = torch.ops.kbit.gemm(x_new, packed, ap, cb, bits, n, k, bias)
         assert torch.equal(y_static, eager)
 
