@@ -4,7 +4,8 @@ engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that torch.profiler sees
 
   python3 benchmarks/profile_step.py --config kbit4 --bs 1,16 --out DIR     # or --config bf16
 Prints per batch size: wall time, kernel span, GPU busy (union of kernel intervals), kernel
-time by class (us/step = / 256) and the top kernels; writes DIR/profile_CONFIG.json.
+time by class (us/step = / 256), the top kernels, and our launches by (kernel, grid) with their
+mean time and overlap of the kernel before; writes DIR/profile_CONFIG.json (meta + runs).
 """
 import argparse
 import json
@@ -54,7 +55,6 @@ def summarize(events, wall):
         a[0] += 1
         a[1] += e - s
     # our kernels per launch shape (name, grid), so each layer's mean time can be set beside
-    # bench_decode.py --per-shape
     # bench_decode.py --per-shape, and how much of it overlaps the kernel before (a PDL launch
     # that waits counts its wait as its own time)
     launches, prev_end = {}, None

@@ -202,8 +202,6 @@ def weight(n, k, bits, g):  # a random tiled weight (_random_weight without the 
 """
 
 
-
-
 def _run_script(script, out, timeout=300, **env):
     """Run one of the scripts below in a fresh process with `env` added (the switches are
     read once per process) and return what it saved to `out`."""
