@@ -36,38 +36,36 @@ def classify(name):
 
 
 def summarize(events, wall):
-    ks = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events)
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e, _ in ks:
+    evs = sorted(events, key=lambda e: (e["ts"], e["ts"] + e["dur"], e["name"]))
+    busy, cur_s, cur_e = 0.0, None, None  # union of the kernels so far; [cur_s, cur_e]: its last piece
+    total, by_cls, by_name, launches = 0, {}, {}, {}
+    for ev in evs:
+        s, e, n = ev["ts"], ev["ts"] + ev["dur"], ev["name"]
+        if "kbit" in n:
+            # our kernels per launch shape (name, grid), so each layer's mean time can be set beside
+            # bench_decode.py --per-shape, and how much of it overlaps the kernels before (a PDL
+            # launch that waits counts its wait as its own time)
+            a = launches.setdefault(f"{n[:70]} grid={tuple(ev.get('args', {}).get('grid', ()))}", [0, 0.0, 0.0])
+            a[0] += 1
+            a[1] += ev["dur"]
+            a[2] += max(0.0, min(cur_e, e) - s) if cur_e is not None else 0.0
         if cur_e is None or s > cur_e:
             if cur_e is not None:
                 busy += cur_e - cur_s
             cur_s, cur_e = s, e
         else:
             cur_e = max(cur_e, e)
-    if cur_e is not None:
-        busy += cur_e - cur_s
-    by_cls, by_name = {}, {}
-    for s, e, n in ks:
+        total += e - s
         c = classify(n)
         by_cls[c] = by_cls.get(c, 0.0) + (e - s)
         a = by_name.setdefault(n[:90], [0, 0.0])
         a[0] += 1
         a[1] += e - s
-    # our kernels per launch shape (name, grid), so each layer's mean time can be set beside
-    # bench_decode.py --per-shape, and how much of it overlaps the kernel before (a PDL launch
-    # that waits counts its wait as its own time)
-    launches, prev_end = {}, None
-    for ev in sorted(events, key=lambda e: e["ts"]):
-        if "kbit" in ev["name"]:
-            a = launches.setdefault(f"{ev['name'][:70]} grid={tuple(ev.get('args', {}).get('grid', ()))}", [0, 0.0, 0.0])
-            a[0] += 1
-            a[1] += ev["dur"]
-            a[2] += max(0.0, min(prev_end, ev["ts"] + ev["dur"]) - ev["ts"]) if prev_end is not None else 0.0
-        prev_end = max(prev_end or 0.0, ev["ts"] + ev["dur"])
-    span = (ks[-1][1] - ks[0][0]) if ks else 0.0
-    return {"wall_s": wall, "kernel_span_us": span, "gpu_busy_us": busy, "kernels": len(ks),
-            "sum_kernel_us": sum(e - s for s, e, _ in ks), "by_class_us": dict(sorted(by_cls.items(), key=lambda kv: -kv[1])),
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    span = (evs[-1]["ts"] + evs[-1]["dur"] - evs[0]["ts"]) if evs else 0.0
+    return {"wall_s": wall, "kernel_span_us": span, "gpu_busy_us": busy, "kernels": len(evs),
+            "sum_kernel_us": total, "by_class_us": dict(sorted(by_cls.items(), key=lambda kv: -kv[1])),
             "top": sorted(([k, v[0], v[1]] for k, v in by_name.items()), key=lambda r: -r[2])[:30],
             "kbit_launches": sorted(([k, v[0], v[1] / v[0], v[2] / v[0]] for k, v in launches.items()),
                                     key=lambda r: -r[1] * r[2])[:12]}
