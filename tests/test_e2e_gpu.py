@@ -3,49 +3,16 @@
 and the fused kernels against the plugin's reference path. Each engine runs in its own process
 (tests/vllm_runner.py); the comparison is teacher-forced over the prompts, so one early
 difference does not decide every later step."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("vllm")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from vllm_kbit import format as kf  # noqa: E402
 from vllm_kbit.convert import convert  # noqa: E402
 from vllm_kbit.synthetic import make_random_llama  # noqa: E402
 
-RUNNER = Path(__file__).with_name("vllm_runner.py")
-
-
-def dequantized_copy(kbit_dir: Path, dst: Path) -> Path:
-    """The kbit checkpoint with every qweight/absmax pair replaced by its bf16 dequantization."""
-    dst.mkdir(parents=True)
-    cfg = json.loads((kbit_dir / "config.json").read_text())
-    qc = cfg.pop("quantization_config")
-    cb = torch.tensor(qc["codebook"])
-    tensors = {}
-    for f in kbit_dir.glob("*.safetensors"):
-        tensors.update(load_file(f))
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith(".qweight"):
-            p = name[: -len(".qweight")]
-            out[p + ".weight"] = kf.dequantize(t, tensors[p + ".absmax"], qc["bits"], cb, dtype=torch.bfloat16)
-        elif not name.endswith(".absmax"):
-            out[name] = t
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in kbit_dir.iterdir():
-        if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-            (dst / f.name).write_bytes(f.read_bytes())
-    return dst
+from e2e_common import compare, dequantized_copy, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -62,26 +29,6 @@ def models(tmp_path_factory):
         convert(src, kbit, bits, progress=False, quantize_lm_head=lm_head)
         out[key] = (kbit, dequantized_copy(kbit, root / f"dequant-{name}"))
     return out
-
-
-def run(model: Path, tag: str, *args, env=None) -> dict:
-    out = model.parent / f"{model.name}-{tag}.json"
-    subprocess.run([sys.executable, str(RUNNER), str(model), str(out), *args], check=True, timeout=900,
-                   env={**os.environ, **(env or {})})
-    return json.loads(out.read_text())
-
-
-def compare(a: dict, b: dict) -> tuple[float, float]:
-    """Teacher-forced top-1 agreement and mean |logprob difference| of the prompt's tokens."""
-    agree, diffs = [], []
-    for pa, pb, ids in zip(a["prompt_logprobs"], b["prompt_logprobs"], a["prompt_ids"]):
-        for pos in range(1, len(ids)):
-            top_a = next(t for t, (_, r) in pa[pos].items() if r == 1)
-            top_b = next(t for t, (_, r) in pb[pos].items() if r == 1)
-            agree.append(top_a == top_b)
-            tok = str(ids[pos])
-            diffs.append(abs(pa[pos][tok][0] - pb[pos][tok][0]))
-    return sum(agree) / len(agree), sum(diffs) / len(diffs)
 
 
 @pytest.mark.parametrize("bits", [4, 5, "4+lm_head"])

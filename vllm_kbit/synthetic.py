@@ -1,9 +1,11 @@
-"""Random-init Hugging Face Llama checkpoints (model + tokenizer) for tests, examples and benchmarks.
+"""Random-init Hugging Face checkpoints (model + tokenizer) for tests, examples and benchmarks.
 
-`make_random_llama` writes a folder that `transformers`, vLLM and `vllm_kbit.convert` load like
+`make_random_model` writes a folder that `transformers`, vLLM and `vllm_kbit.convert` load like
 a downloaded one: config.json, generation_config.json, safetensors weights (sharded with an
 index json when `max_shard_size` is small), and a byte-level BPE tokenizer trained on the spot
-(tokenizer.json + tokenizer_config.json, loadable as `PreTrainedTokenizerFast`).
+(tokenizer.json + tokenizer_config.json, loadable as `PreTrainedTokenizerFast`). `arch` picks
+one of ARCHITECTURES (Llama by default, `make_random_llama`): each stands for a way in which
+checkpoints reach vLLM's linear layers differently.
 
 Real shapes work too (Llama-3-8B: hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 kv
 heads, vocab 128256): the model is built on the meta device and each tensor is materialized
@@ -61,49 +63,86 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
-def make_random_llama(dst, *, hidden_size: int = 256, intermediate_size: int = 512,
+# arch -> (transformers config class, model class, config overrides, what it exercises).
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}, "separate q/k/v and gate/up shards merged by vLLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}, "Llama's layers under another model class"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, "q/k/v biases (the op's bias path)"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}, "q/k norms between the projections and attention"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}, "GeGLU, logit soft-capping, tied embeddings"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}, "qkv_proj / gate_up_proj fused in the checkpoint"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2},
+                "MoE experts and router left unquantized, attention kbit"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2},
+                  "MoE with a kbit shared expert beside unquantized experts and gates"),
+}
+
+
+def make_random_llama(dst, **kwargs) -> Path:
+    """`make_random_model(dst, arch="llama", ...)`."""
+    return make_random_model(dst, arch="llama", **kwargs)
+
+
+def make_random_model(dst, *, arch: str = "llama", hidden_size: int = 256, intermediate_size: int = 512,
                       num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                       vocab_size: int = 512, max_position_embeddings: int = 2048,
                       dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                      max_shard_size: int | str = "5GB", tie_word_embeddings: bool = False,
+                      max_shard_size: int | str = "5GB", tie_word_embeddings: bool | None = None,
                       init_std: float = 0.02) -> Path:
-    """Write a random-init `LlamaForCausalLM` checkpoint with a matching tokenizer to `dst`.
+    """Write a random-init checkpoint of architecture `arch` (ARCHITECTURES) with a matching
+    tokenizer to `dst`.
 
-    Weights ~ N(0, init_std) (norm weights 1), deterministic in `seed`. The tokenizer is trained
-    with at most `vocab_size` tokens (fewer when the built-in text runs out of merges); its
-    <s>/</s> ids are the model's bos/eos. Returns `dst` as a Path."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    Weights and biases ~ N(0, init_std) (norm weights 1), deterministic in `seed`. Every architecture gets
+    head_dim = hidden_size / num_heads; the MoE ones num_experts 4 of intermediate_size / 2 (and
+    a shared expert of intermediate_size). `tie_word_embeddings` None keeps the architecture's
+    default (Gemma 2 ties, the others do not). The tokenizer is trained with at most `vocab_size`
+    tokens (fewer when the built-in text runs out of merges); its <s>/</s> ids are the model's
+    bos/eos (and pad). Returns `dst` as a Path."""
+    import transformers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
 
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE} (byte-level tokenizer), got {vocab_size}")
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
+    config_name, model_name, overrides, _ = ARCHITECTURES[arch]
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
 
     tok = _train_tokenizer(vocab_size)
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
-    config = LlamaConfig(
+    extra = dict(overrides)
+    if arch == "qwen2_moe":
+        extra.update(moe_intermediate_size=intermediate_size // 2, shared_expert_intermediate_size=intermediate_size)
+    if arch == "phi3":  # (its default, 4096, asks for long-rope scaling past max_position_embeddings)
+        extra.update(original_max_position_embeddings=max_position_embeddings)
+    if tie_word_embeddings is not None:
+        extra.update(tie_word_embeddings=tie_word_embeddings)
+    config = getattr(transformers, config_name)(
         hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=bos, eos_token_id=eos, initializer_range=init_std, dtype=dtype)
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
+        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
+        bos_token_id=bos, eos_token_id=eos, pad_token_id=eos, initializer_range=init_std, dtype=dtype, **extra)
+    model_cls = getattr(transformers, model_name)
 
     # Meta first, then one allocation per tensor in `dtype`: no float32 copy of an 8B model.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_cls(config)
     model = model.to(dtype).to_empty(device="cpu")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied weights are listed once
-            if p.dim() >= 2:
-                p.normal_(0.0, init_std, generator=gen)
-            elif "norm" in name:
+            if "norm" in name and p.dim() == 1:
                 p.fill_(1.0)
-            else:
-                p.zero_()
-    # to_empty left the (non-persistent, unsaved) rotary buffers uninitialised; rebuild them
-    # so the returned folder is the only thing that matters and the in-memory model is sane too.
+            else:  # weights, and biases (Qwen2's q/k/v): random, so that a dropped bias shows
+                p.normal_(0.0, init_std, generator=gen)
+    # to_empty left the non-persistent buffers uninitialised. They are not saved, so only the
+    # folder matters; the rotary tables are rebuilt anyway, the one such buffer every
+    # architecture here has (Gemma 2's embedding scale is another: no model is returned).
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
-    if tie_word_embeddings:
+    if config.tie_word_embeddings:
         model.tie_weights()
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, do_sample=False)
     model.save_pretrained(dst, max_shard_size=max_shard_size)
