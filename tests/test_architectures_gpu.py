@@ -5,12 +5,14 @@ attention and a kbit shared expert). For each, a random model converted to kbit 
 vllm.LLM against the same model with the dequantized weights in bf16, teacher-forced over the
 prompts (e2e_common.compare), as tests/test_e2e_gpu.py does for Llama (which it covers with
 CUDA graphs, TP=2 and a kbit lm_head; here every engine is eager, to keep the file short).
+Tensor parallel (two GPUs) must match one GPU for the biased and fused-checkpoint models.
 Online quantization (`--quantization kbit` on the float checkpoint) must give what the
 converted checkpoint gives, for the fused-checkpoint and MoE models. MoE models need vLLM's MoE op
 library, which the GPU machine's vLLM bundle leaves out: skipped there."""
 import importlib.util
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("vllm")
@@ -67,3 +69,18 @@ def test_online_quantization_equals_the_converted_checkpoint(model):
     # the CUDA quantizer is bit-exact with the converter's (test_kernels_gpu), so the engines
     # hold the same weights and run the same kernels
     assert got["greedy"] == ref["greedy"] and agreement == 1.0 and mean_diff == 0.0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_2_equals_1(model):
+    """TP = 2 against TP = 1 where the ranks' shards come about differently: Qwen2's q/k/v biases
+    split with the rows, Phi-3's fused checkpoint tensors split into q/k/v (gate/up) and then
+    over the ranks."""
+    arch, _, kbit, _ = model
+    if arch not in ("qwen2", "phi3"):
+        pytest.skip("tensor parallel: the biased and the fused-checkpoint models only (Llama: test_e2e_gpu)")
+    one = run(kbit, "eager", "--eager", reuse=True)
+    two = run(kbit, "tp2", "--eager", "--tp", "2")
+    agreement, mean_diff = compare(one, two)
+    print(f"{arch} TP=2 vs TP=1: top-1 agreement {agreement:.3f}, mean |dlogprob| {mean_diff:.4f}")
+    assert agreement >= 0.95 and mean_diff < 0.02
