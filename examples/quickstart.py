@@ -1,6 +1,9 @@
 """Quickstart: make a small random-init Llama, convert it to kbit, check it, generate with vLLM.
 
-    python3 examples/quickstart.py [--bits 4] [--workdir out/quickstart]
+    python3 examples/quickstart.py [--bits 4] [--workdir out/quickstart] [--arch qwen2]
+
+--arch picks another architecture of vllm_kbit.synthetic.ARCHITECTURES (Mistral, Qwen2, Qwen3,
+Gemma 2, Phi-3, Mixtral, Qwen2-MoE; MoE models need vLLM's MoE op library to generate).
 
 Nothing is downloaded: the model is random (so its text is gibberish) and its tokenizer is
 trained on the spot. Without a CUDA GPU it stops after the conversion and check.
@@ -14,7 +17,7 @@ from safetensors import safe_open
 
 from vllm_kbit import format as kf
 from vllm_kbit.convert import convert
-from vllm_kbit.synthetic import make_random_llama
+from vllm_kbit.synthetic import ARCHITECTURES, make_random_model
 
 
 def check(src: Path, dst: Path, bits: int) -> None:
@@ -40,12 +43,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bits", type=int, default=4, choices=kf.SUPPORTED_BITS)
     ap.add_argument("--workdir", type=Path, default=Path("out/quickstart"))
+    ap.add_argument("--arch", default="llama", choices=sorted(ARCHITECTURES))
     args = ap.parse_args()
 
-    src = make_random_llama(args.workdir / "llama-random", hidden_size=512, intermediate_size=1024,
-                            num_layers=4, num_heads=8, num_kv_heads=4, vocab_size=1024,
+    src = make_random_model(args.workdir / f"{args.arch}-random", arch=args.arch, hidden_size=512,
+                            intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=4, vocab_size=1024,
                             max_shard_size="4MB")
-    dst = args.workdir / f"llama-kbit{args.bits}"
+    dst = args.workdir / f"{args.arch}-kbit{args.bits}"
     print(convert(src, dst, args.bits, overwrite=True).summary())
     check(src, dst, args.bits)
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vllm_kbit import format as kf
-from vllm_kbit.convert import INDEX_NAME, ConversionError, convert, main, parse_size
+from vllm_kbit.convert import DEFAULT_IGNORE, INDEX_NAME, ConversionError, convert, main, parse_size
 from vllm_kbit.format import KbitFormatError
 from vllm_kbit.synthetic import ARCHITECTURES, make_random_llama, make_random_model
 
@@ -341,6 +341,12 @@ def test_every_architecture_converts_and_its_dequantization_computes_like_the_so
     names = set(load_file(src / "model.safetensors"))
     expected = {n for n in names if n.endswith("_proj.weight") and ".experts." not in n}
     assert len(expected) >= 8 and set(report.quantized) == expected, sorted(names)
+    # what is not quantized is named by a pattern of the config's ignore list, never one by one
+    # (MoE experts: per-expert tensors in the file, one 3-D parameter in transformers 5)
+    assert not report.unmapped_2d and set(quant_config(tmp_path / "kbit")["ignore"]) <= set(DEFAULT_IGNORE)
+    if arch in ("mixtral", "qwen2_moe"):  # 2 layers x 4 experts x 3 weights in one summary line
+        assert re.search(r"unquantized 24 weights \(model\.layers\.0\..*experts\.0\.\w+\.weight, \.\.\.\): ignored",
+                         report.summary()), report.summary()
     deq = dequantized_copy(tmp_path / "kbit", tmp_path / "deq")
     ids = torch.randint(3, 259, (2, 24), generator=torch.Generator().manual_seed(SEED))
     logits = []

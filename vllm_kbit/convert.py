@@ -88,7 +88,12 @@ class ConversionReport:
                  f"{len(self.skipped)} left unquantized, {len(self.copied_files)} files copied",
                  f"  tensors: {_fmt_bytes(self.bytes_in)} -> {_fmt_bytes(self.bytes_out)} "
                  f"in {self.num_shards} shard(s)"]
-        lines += [f"  unquantized {name}: {why}" for name, why in self.skipped.items()]
+        by_why: dict[str, list[str]] = {}
+        for name, why in self.skipped.items():
+            by_why.setdefault(why, []).append(name)
+        for why, names in by_why.items():  # (an MoE's experts: hundreds of weights, one reason)
+            lines += ([f"  unquantized {name}: {why}" for name in names] if len(names) <= 4 else
+                      [f"  unquantized {len(names)} weights ({names[0]}, ...): {why}"])
         if self.unmapped_2d:
             lines.append(f"  {len(self.unmapped_2d)} 2-D weight(s) of no known Linear copied unquantized")
         lines += [f"  underflow {name}: {n} block(s) stored as zeros" for name, n in self.underflow_blocks.items()]
@@ -458,8 +463,15 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     to_quantize = _select(linears, shapes, user_ignore, report, quantize_lm_head)
     if quantize_lm_head:
         _check_lm_head(src, config, linears, shapes, to_quantize, report)
-    report.unmapped_2d = [n for n, s in shapes.items() if len(s) == 2 and n.endswith(".weight")
-                          and n[:-len(".weight")] not in linears and "embed" not in n]
+    for n, s in shapes.items():
+        if len(s) == 2 and n.endswith(".weight") and n[:-len(".weight")] not in linears and "embed" not in n:
+            # MoE experts, which transformers 5 holds as one 3-D parameter per layer but saves
+            # per expert, are no module's weight yet match the ignore list: say so, list them once
+            pattern = _matching_pattern(n[:-len(".weight")], None, report.ignore)
+            if pattern is not None:
+                report.skipped[n] = f"ignored (matches {pattern!r})"
+            else:
+                report.unmapped_2d.append(n)
     # copied unquantized: if vLLM builds a linear layer for one, it must not expect kbit tensors
     report.ignore += [n[:-len(".weight")] for n in report.unmapped_2d if n[:-len(".weight")] not in report.ignore]
 
