@@ -1,16 +1,18 @@
 """The linear layers of one decode step, as vLLM runs them: every linear layer of a
-Llama-3-8B-shaped model (32 x qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336),
-each with its own weights, replayed from one CUDA graph. This is the time the GEMMs add to a
-decode step at batch M (launch gaps, kernel ramp-up and tail included, no L2 flush needed: the
-weights are 3.7 GB at 4 bits, far beyond the 50 MB L2). Methods: kbit K (the op's own path
-choice), cuBLAS fp16, and Marlin / Machete W4 g128 when vLLM is importable.
+Llama-3-8B-shaped model (32 x qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336;
+--model picks another of MODELS), each with its own weights, replayed from one CUDA graph.
+This is the time the GEMMs add to a decode step at batch M (launch gaps, kernel ramp-up and
+tail included, no L2 flush needed: the weights are 3.7 GB at 4 bits, far beyond the 50 MB L2).
+Methods: kbit K (the op's own path choice), cuBLAS fp16, and Marlin / Machete W4 g128 when
+vLLM is importable.
 
   python3 benchmarks/bench_decode.py [--ms 1,16] [--bits 2,4] [--per-shape] [--out DIR]
   python3 benchmarks/bench_decode.py --kbit-paths gemv:1,gemv:2,wgmma:0 --no-baselines   # forced path:splits
   python3 benchmarks/bench_decode.py --between   # an elementwise kernel writes x before each GEMM
+  python3 benchmarks/bench_decode.py --model qwen2.5-7b   # another model's layer shapes
 
 Reports µs per step, GB/s of the weights read (and % of the copy bandwidth measured in the same
-run); --per-shape also replays 32 layers of one shape at a time (µs per kernel).
+run); --per-shape also replays the model's layers of one shape at a time (µs per kernel).
 """
 from __future__ import annotations
 
@@ -26,8 +28,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gemm as bg  # noqa: E402  (methods, timer, commit stamp)
 
-LAYERS = 32
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# model -> (layers, {layer: (N, K)}), the merged q/k/v and gate/up as vLLM runs them
+MODELS = {
+    "llama3-8b": (32, {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}),
+    "qwen2.5-7b": (28, {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}),
+    "gemma2-9b": (42, {"qkv": (8192, 3584), "o": (3584, 4096), "gate_up": (28672, 3584), "down": (3584, 14336)}),
+    "phi3-mini": (32, {"qkv": (9216, 3072), "o": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192)}),
+}
 
 
 def graph_time(calls, xs, reps=30):
@@ -79,8 +86,11 @@ def main():
                     help="before each GEMM an in-place elementwise kernel rewrites its input, as vLLM's norms and "
                          "activation do (a predecessor that writes x and knows nothing of PDL); the time of those "
                          "kernels alone is reported as method 'between'")
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
+    n_layers, shapes = MODELS[args.model]
+    ks = sorted({k for _, k in shapes.values()})
     from vllm_kbit import ops
     assert ops.HAS_CUDA_KERNELS, "vllm_kbit._C is not built"
     ms = [int(m) for m in args.ms.split(",")]
@@ -99,17 +109,17 @@ def main():
     results = []
     if args.between:
         for m in ms:
-            xs = {k: torch.randn(m, k, dtype=bg.DT, device="cuda") for k in (4096, 14336)}
-            us = graph_time(between([(lambda t: t, SHAPES[name][1]) for _ in range(LAYERS) for name in SHAPES]), xs)
+            xs = {k: torch.randn(m, k, dtype=bg.DT, device="cuda") for k in ks}
+            us = graph_time(between([(lambda t: t, shapes[name][1]) for _ in range(n_layers) for name in shapes]), xs)
             results.append({"method": "between", "m": m, "what": "step", "us": us})
             bg.log(f"{'between':<13} M={m:<3} step {us:8.1f} us  (the elementwise kernels alone)")
     for method in methods:
         bits = int(method[4:].split("-")[0]) if method.startswith("kbit") else 4
         layers, wbytes = [], {}
         try:
-            for _ in range(LAYERS):
+            for _ in range(n_layers):
                 layer = {}
-                for name, (n, k) in SHAPES.items():
+                for name, (n, k) in shapes.items():
                     layer[name], wbytes[name] = make(method, n, k, bits)
                 layers.append(layer)
         except Exception as e:  # noqa: BLE001
@@ -118,20 +128,20 @@ def main():
         for m in ms:
             if "-gemv" in method and m > 16:
                 continue
-            xs = {k: torch.randn(m, k, dtype=bg.DT, device="cuda") for k in (4096, 14336)}
-            calls = [(layer[name], SHAPES[name][1]) for layer in layers for name in SHAPES]
+            xs = {k: torch.randn(m, k, dtype=bg.DT, device="cuda") for k in ks}
+            calls = [(layer[name], shapes[name][1]) for layer in layers for name in shapes]
             if args.between:
                 calls = between(calls)
             us = graph_time(calls, xs)
-            wb = LAYERS * sum(wbytes.values())
+            wb = n_layers * sum(wbytes.values())
             r = {"method": method, "m": m, "what": "step", "us": us, "weight_bytes": wb,
                  "gbs": wb / (us * 1e-6) / 1e9, "pct_copy": 100 * wb / (us * 1e-6) / 1e9 / copy_bw}
             results.append(r)
             bg.log(f"{method:<13} M={m:<3} step {us:8.1f} us  {r['gbs']:6.0f} GB/s  {r['pct_copy']:5.1f}% of copy")
             if args.per_shape:
-                for name, (n, k) in SHAPES.items():
+                for name, (n, k) in shapes.items():
                     one = [(layer[name], k) for layer in layers]
-                    us = graph_time(between(one) if args.between else one, xs) / LAYERS
+                    us = graph_time(between(one) if args.between else one, xs) / n_layers
                     r = {"method": method, "m": m, "what": name, "us": us, "weight_bytes": wbytes[name],
                          "gbs": wbytes[name] / (us * 1e-6) / 1e9}
                     results.append(r)
@@ -141,11 +151,12 @@ def main():
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     meta = {"gpu": gpu, "date": stamp, "commit": bg.git_commit(), "command": " ".join([sys.executable] + sys.argv),
             "env": {k: v for k, v in os.environ.items() if k.startswith("KBIT_")},
-            "copy_bw_gbs": copy_bw, "torch": torch.__version__, "layers": LAYERS, "shapes": SHAPES}
+            "copy_bw_gbs": copy_bw, "torch": torch.__version__, "model": args.model, "layers": n_layers,
+            "shapes": shapes}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"bench_decode_{stamp}.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
-    bg.log(f"\n# decode-step linear layers, Llama-3-8B shape, {gpu} ({meta['commit']}): µs per step")
+    bg.log(f"\n# decode-step linear layers, {args.model} shapes, {gpu} ({meta['commit']}): µs per step")
     bg.log("method".ljust(14) + "".join(f"M={m}".rjust(12) for m in ms))
     for method in (["between"] if args.between else []) + methods:
         cells = [next((f"{r['us']:.0f}" for r in results if r["method"] == method and r["m"] == m and
