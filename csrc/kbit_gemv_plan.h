@@ -74,7 +74,7 @@ __host__ __device__ constexpr int xr_max_units(int mt) { return mt == 2 ? 72 : 1
 //   * M > 8 (two n8 tiles of x, 128 registers with x staged in shared memory): 16-warp CTAs,
 //     one per SM, at NU <= SMs and beyond 4 SMs; four 4-warp CTAs per SM between, as below.
 //   * SMs < NU <= 4 SMs: four 4-warp CTAs per SM (kNarrowWarps), the largest S with
-//     NU * S <= 4 SMs while each warp still streams >= 8 units (28672x4096: 448 CTAs in one
+//     NU * S <= 4 SMs while each warp still streams >= kNarrowMinUnits units (28672x4096: 448 CTAs in one
 //     wave, where 8-warp CTAs took 1.7 waves of two per SM; at M = 9..16, K = 2..5, in the
 //     decode graph: 0.88-1.05x the wgmma kernel's time, same call, gemv_narrow_m9_16_wip.json;
 //     the whole step at M = 9..16 0.92-1.00x, so the GEMV now serves it, kbit_ops.h).
@@ -86,6 +86,20 @@ __host__ __device__ constexpr int xr_max_units(int mt) { return mt == 2 ? 72 : 1
 // not know which, so where x stays in registers a layer of SMs < NU <= 4 SMs keeps the 4-warp
 // split (up to 4 SMs / NU), more waves of 8-warp CTAs than its own plan would take. Slower,
 // not wrong; the fix is to decide x's route before the plan and pass it in.
+// Units a warp of the four-per-SM CTAs streams at least (SMs < NU <= 4 SMs). With 8, short-K
+// layers costed S = 1 here, which lost to x resident in two-slab CTAs, itself slower than S = 3:
+// Phi-3-mini's qkv (9216x3072, 144 slabs, 48 units) took 15.9 / 18.7 us at M = 1 / 16 with the
+// plan (G = 2, S = 1) against 14.3 / 15.7 in 4-warp CTAs at S = 3, 4 units a warp (L2 flushed,
+// H200, be87f50, bench_gemm.py --sweep-splits, KBIT_GEMV_WARPS=4 for the forced ones). No other
+// layer of that sweep (16384x3072, 17920x1536, 22016x2048, 14336x4096, 18944x3584, 12288x5120)
+// changes plan, nor any of Llama-3-8B / 70B, Qwen2.5-7B or Gemma-2-9B.
+// KBIT_GEMV_DEV_NARROW_MIN8 (probe builds, A/B): the rule before.
+#ifdef KBIT_GEMV_DEV_NARROW_MIN8
+constexpr int kNarrowMinUnits = 8;
+#else
+constexpr int kNarrowMinUnits = 4;
+#endif
+
 struct Plan {
   int splits, warps, slabs = 0;  // slabs > 0: x resident, that many slabs per CTA of xr_warps(slabs)
 };
@@ -177,10 +191,12 @@ inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, const Clus
 // The plan without x resident (x in registers at M <= 8, the per-warp ring above).
 inline Plan choose_plan_classic(int m, int nu, int ku, int num_sms, const Clusters& cl) {
   const int s_max = ku < kMaxSplits ? ku : kMaxSplits;
-  // four CTAs per SM: the largest S with NU * S <= 4 SMs and >= 8 units per warp
+  // four CTAs per SM: the largest S with NU * S <= 4 SMs and >= kNarrowMinUnits units per warp
   const auto largest_narrow = [&]() {
     int s = 1;
-    while (s < s_max && (long long)nu * (s + 1) <= 4LL * num_sms && div_up(div_up(ku, s + 1), kNarrowWarps) >= 8) ++s;
+    while (s < s_max && (long long)nu * (s + 1) <= 4LL * num_sms &&
+           div_up(div_up(ku, s + 1), kNarrowWarps) >= kNarrowMinUnits)
+      ++s;
     return s;
   };
   // one CTA per SM: the largest S whose NU clusters run at once (Clusters). Counting NU * S

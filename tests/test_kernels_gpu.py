@@ -320,6 +320,16 @@ def test_gemv_plan_on_device():
         assert list(torch.ops.kbit.gemv_plan(1, 28672, 4096, 3))[:3] == [4, 15, 15]  # K=3: resident at every M
         assert list(torch.ops.kbit.gemv_plan(1, 28672, 4096, 4))[:3] == [4, 15, 15]  # K=4 too
         assert list(torch.ops.kbit.gemv_plan(1, 4096, 4096, 4))[:3] == [2, 16, 0]
+        assert list(torch.ops.kbit.gemv_plan(16, 9216, 3072, 4))[:3] == [3, 4, 0]  # kNarrowMinUnits
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemv_short_k_narrow_plan(dtype, bits):
+    """Phi-3-mini's qkv (9216x3072: 144 slabs of 48 units) through the op's own dispatch: on an
+    H200 four 4-warp CTAs per SM at S = 3, four units a warp (kbit_gemv_plan.h, kNarrowMinUnits)."""
+    for m in (1, 5, 8, 9, 16):
+        _check_gemm(9216, 3072, bits, dtype, m, bias=bool(m % 2))
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])

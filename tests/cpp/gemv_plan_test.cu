@@ -57,6 +57,9 @@ int main() {
       expect_plan(m, 4096, 14336, bits, 2, kWideWarps, 0);
       // an lm_head (128256x4096): x resident in 16-slab CTAs at every M
       expect_plan(m, 128256, 4096, bits, 1, kWideWarps, 16);
+      // Phi-3-mini's qkv (9216x3072, 144 slabs, 48 units): 4-warp CTAs at S = 3, 4 units a warp
+      // (kNarrowMinUnits; 0.84-0.90x the time of x resident at G = 2, S = 1)
+      expect_plan(m, 9216, 3072, bits, 3, kNarrowWarps, 0);
     }
     // 8B gate_up (28672x4096, 448 slabs): four 4-warp CTAs per SM up to M = 5 (at K = 3, 4 none),
     // then x resident: 15-slab CTAs (30 clusters of four, where 16 slabs made 28) from M = 1 at
