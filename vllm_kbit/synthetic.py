@@ -92,12 +92,12 @@ def make_random_model(dst, *, arch: str = "llama", hidden_size: int = 256, inter
     """Write a random-init checkpoint of architecture `arch` (ARCHITECTURES) with a matching
     tokenizer to `dst`.
 
-    Weights and biases ~ N(0, init_std) (norm weights 1), deterministic in `seed`. Every architecture gets
-    head_dim = hidden_size / num_heads; the MoE ones num_experts 4 of intermediate_size / 2 (and
-    a shared expert of intermediate_size). `tie_word_embeddings` None keeps the architecture's
-    default (Gemma 2 ties, the others do not). The tokenizer is trained with at most `vocab_size`
-    tokens (fewer when the built-in text runs out of merges); its <s>/</s> ids are the model's
-    bos/eos (and pad). Returns `dst` as a Path."""
+    Weights and biases ~ N(0, init_std) (norm weights 1), deterministic in `seed`. Every
+    architecture gets head_dim = hidden_size / num_heads; the MoE ones 4 experts (Qwen2-MoE's of
+    intermediate_size / 2, beside a shared expert of intermediate_size). `tie_word_embeddings`
+    None keeps the architecture's default (Gemma 2 ties, the others do not). The tokenizer is
+    trained with at most `vocab_size` tokens (fewer when the built-in text runs out of merges);
+    its <s>/</s> ids are the model's bos/eos (and pad). Returns `dst` as a Path."""
     import transformers
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
@@ -115,7 +115,8 @@ def make_random_model(dst, *, arch: str = "llama", hidden_size: int = 256, inter
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     extra = dict(overrides)
     if arch == "qwen2_moe":
-        extra.update(moe_intermediate_size=intermediate_size // 2, shared_expert_intermediate_size=intermediate_size)
+        extra.update(moe_intermediate_size=intermediate_size // 2,
+                     shared_expert_intermediate_size=intermediate_size)
     if arch == "phi3":  # (its default, 4096, asks for long-rope scaling past max_position_embeddings)
         extra.update(original_max_position_embeddings=max_position_embeddings)
     if tie_word_embeddings is not None:
