@@ -2,7 +2,7 @@
 Llama-3-8B-shaped model (32 x qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336;
 --model picks another of MODELS), each with its own weights, replayed from one CUDA graph.
 This is the time the GEMMs add to a decode step at batch M (launch gaps, kernel ramp-up and
-tail included, no L2 flush needed: the weights are 3.7 GB at 4 bits, far beyond the 50 MB L2).
+tail included, no L2 flush needed: the weights are 1.9-4.4 GB at 4 bits, far beyond the 50 MB L2).
 Methods: kbit K (the op's own path choice), cuBLAS fp16, and Marlin / Machete W4 g128 when
 vLLM is importable.
 

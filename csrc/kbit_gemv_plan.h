@@ -90,9 +90,11 @@ __host__ __device__ constexpr int xr_max_units(int mt) { return mt == 2 ? 72 : 1
 // layers costed S = 1 here, which lost to x resident in two-slab CTAs, itself slower than S = 3:
 // Phi-3-mini's qkv (9216x3072, 144 slabs, 48 units) took 15.9 / 18.7 us at M = 1 / 16 with the
 // plan (G = 2, S = 1) against 14.3 / 15.7 in 4-warp CTAs at S = 3, 4 units a warp (L2 flushed,
-// H200, be87f50, bench_gemm.py --sweep-splits, KBIT_GEMV_WARPS=4 for the forced ones). No other
-// layer of that sweep (16384x3072, 17920x1536, 22016x2048, 14336x4096, 18944x3584, 12288x5120)
-// changes plan, nor any of Llama-3-8B / 70B, Qwen2.5-7B or Gemma-2-9B.
+// H200, be87f50, bench_gemm.py --sweep-splits, KBIT_GEMV_WARPS=4 for the forced ones). Where x
+// may be resident (sm_90, KBIT_GEMV_XRES unset) no other layer of that sweep (16384x3072,
+// 17920x1536, 22016x2048, 14336x4096, 18944x3584, 12288x5120) changes plan, nor any of
+// Llama-3-8B / 70B, Qwen2.5-7B or Gemma-2-9B; with KBIT_GEMV_XRES=0, 16384x3072 at K=2 goes
+// from S = 1 to S = 2 too (not measured).
 // KBIT_GEMV_DEV_NARROW_MIN8 (probe builds, A/B): the rule before.
 #ifdef KBIT_GEMV_DEV_NARROW_MIN8
 constexpr int kNarrowMinUnits = 8;

@@ -1,4 +1,4 @@
-"""Quickstart: make a small random-init Llama, convert it to kbit, check it, generate with vLLM.
+"""Quickstart: a small random-init model (Llama by default) -> kbit -> check -> generate with vLLM.
 
     python3 examples/quickstart.py [--bits 4] [--workdir out/quickstart] [--arch qwen2]
 

@@ -302,7 +302,7 @@ def test_gemv_plan_on_device():
     SMs / s for clusters of s, never larger for a larger s, and on an H200 it is the table the CPU
     replay assumes; there the plans the measurements chose: Llama-3-8B's gate_up at M = 16 in
     15-slab CTAs of 15 warps, clusters of four; a 2048-column layer (32 slabs) at S = 3, not 4
-    (32 clusters of four would run in two waves)."""
+    (32 clusters of four would run in two waves); Phi-3-mini's qkv in 4-warp CTAs at S = 3."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plan = list(torch.ops.kbit.gemv_plan(16, 28672, 4096, 4))
     assert len(plan) == 11

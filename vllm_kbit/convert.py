@@ -72,7 +72,7 @@ class ConversionReport:
     dst: str
     bits: int
     quantized: list[str] = field(default_factory=list)          # source names now stored as .qweight/.absmax
-    skipped: dict[str, str] = field(default_factory=dict)       # linear weight name -> why it stayed unquantized
+    skipped: dict[str, str] = field(default_factory=dict)       # weight name -> why it stayed unquantized
     ignore: list[str] = field(default_factory=list)             # the config's quantization_config.ignore
     copied_files: list[str] = field(default_factory=list)       # non-weight files copied from SRC
     not_copied: list[str] = field(default_factory=list)         # SRC entries left out (weights in other formats, folders)

@@ -92,7 +92,8 @@ def make_random_model(dst, *, arch: str = "llama", hidden_size: int = 256, inter
     """Write a random-init checkpoint of architecture `arch` (ARCHITECTURES) with a matching
     tokenizer to `dst`.
 
-    Weights and biases ~ N(0, init_std) (norm weights 1), deterministic in `seed`. Every
+    Weights and biases ~ N(0, init_std) (norm weights 1: Gemma 2's norms scale by 1 + weight, so
+    its four norms a layer and the final one each double), deterministic in `seed`. Every
     architecture gets head_dim = hidden_size / num_heads; the MoE ones 4 experts (Qwen2-MoE's of
     intermediate_size / 2, beside a shared expert of intermediate_size). `tie_word_embeddings`
     None keeps the architecture's default (Gemma 2 ties, the others do not). The tokenizer is

@@ -1,7 +1,8 @@
 // CPU check of the GEMV launch plan (csrc/kbit_gemv_plan.h), built and run by
 // tests/test_gemv_plan.py with nvcc: host code only, no GPU needed. Two kinds of checks:
 //   * the choices the H200 measurements chose (132 SMs; benchmarks/results, kbit_gemv_plan.h
-//     says which run): Llama-3-8B's four decode layers, an lm_head, Llama-3-70B's gate_up;
+//     says which run): Llama-3-8B's four decode layers, an lm_head, Llama-3-70B's gate_up,
+//     Phi-3-mini's qkv;
 //   * invariants over a sweep of shapes, M and K that every launch relies on (split range,
 //     resident K ranges that fit shared memory, the single-wave clusters of four, counted as
 //     the device holds them, not as SMs / 4).
