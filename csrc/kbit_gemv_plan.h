@@ -74,9 +74,9 @@ __host__ __device__ constexpr int xr_max_units(int mt) { return mt == 2 ? 72 : 1
 //   * M > 8 (two n8 tiles of x, 128 registers with x staged in shared memory): 16-warp CTAs,
 //     one per SM, at NU <= SMs and beyond 4 SMs; four 4-warp CTAs per SM between, as below.
 //   * SMs < NU <= 4 SMs: four 4-warp CTAs per SM (kNarrowWarps), the largest S with
-//     NU * S <= 4 SMs while each warp still streams >= kNarrowMinUnits units (28672x4096: 448 CTAs in one
-//     wave, where 8-warp CTAs took 1.7 waves of two per SM; at M = 9..16, K = 2..5, in the
-//     decode graph: 0.88-1.05x the wgmma kernel's time, same call, gemv_narrow_m9_16_wip.json;
+//     NU * S <= 4 SMs while each warp still streams >= kNarrowMinUnits units (28672x4096: 448
+//     CTAs in one wave, where 8-warp CTAs took 1.7 waves of two per SM; at M = 9..16, K = 2..5,
+//     in the decode graph: 0.88-1.05x the wgmma kernel's time, same call, gemv_narrow_m9_16_wip.json;
 //     the whole step at M = 9..16 0.92-1.00x, so the GEMV now serves it, kbit_ops.h).
 //   * else, at M <= 8: two 8-warp CTAs per SM when every warp still streams >= 8 units, one
 //     per SM otherwise; S = 1 once NU alone covers that (57344x8192).

@@ -464,16 +464,17 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     if quantize_lm_head:
         _check_lm_head(src, config, linears, shapes, to_quantize, report)
     for n, s in shapes.items():
-        if len(s) == 2 and n.endswith(".weight") and n[:-len(".weight")] not in linears and "embed" not in n:
-            # MoE experts, which transformers 5 holds as one 3-D parameter per layer but saves
-            # per expert, are no module's weight yet match the ignore list: say so, list them once
-            pattern = _matching_pattern(n[:-len(".weight")], None, report.ignore)
-            if pattern is not None:
-                report.skipped[n] = f"ignored (matches {pattern!r})"
-            else:
-                report.unmapped_2d.append(n)
-    # copied unquantized: if vLLM builds a linear layer for one, it must not expect kbit tensors
-    report.ignore += [n[:-len(".weight")] for n in report.unmapped_2d if n[:-len(".weight")] not in report.ignore]
+        mod = n[:-len(".weight")]
+        if len(s) != 2 or not n.endswith(".weight") or mod in linears or "embed" in n:
+            continue
+        # MoE experts, which transformers 5 holds as one 3-D parameter per layer but saves per
+        # expert, are no module's weight yet match the ignore list: say so, list them once
+        pattern = _matching_pattern(mod, None, report.ignore)
+        if pattern is not None:
+            report.skipped[n] = f"ignored (matches {pattern!r})"
+        else:  # copied unquantized: if vLLM builds a linear layer for one, it must not expect kbit tensors
+            report.unmapped_2d.append(n)
+            report.ignore.append(mod)  # (no pattern matched it, so it is not listed yet)
 
     items = []
     for f, h in headers.items():
