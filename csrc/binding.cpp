@@ -17,6 +17,8 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -243,6 +245,30 @@ int64_t auto_path(int64_t m, int64_t bits) {
   return kHasMma && m < dequant_min_m(int(bits)) ? kMma : kDequant;
 }
 
+// The wgmma kernel's cluster-group counters (kbit_wgmma.cuh, choose_groups): one zeroed int32
+// buffer per device, left zero by every launch (the last CTA at a counter resets it), so a launch
+// needs no memset before it. A memset node before each launch cost ~3 us a call in the decode
+// graph, which took the gain of 4096x14336 at 256 tokens from 11% to 6% and made 4096x4096 10%
+// slower (docs/MMA.md). Allocated by the first call outside CUDA-graph capture (vLLM's profile
+// run precedes its captures); a launch before that, or with KBIT_WGMMA_ZEROED=0, zeroes counters
+// in its own workspace on-stream. Shared by the device's streams: two such GEMMs must not run at
+// once on two streams (vLLM runs a model's layers on one).
+int* zeroed_counters(const at::Tensor& like, cudaStream_t stream) {
+  static std::mutex mu;
+  static std::map<int, at::Tensor*> bufs;  // never freed: outlives the CUDA context at exit
+  if (env_int("KBIT_WGMMA_ZEROED", 1) == 0) return nullptr;
+  const int dev = like.get_device();
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto it = bufs.find(dev);
+  if (it != bufs.end()) return it->second->data_ptr<int>();
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone)
+    return nullptr;
+  at::Tensor* buf = new at::Tensor(at::zeros({kWgmmaZeroedCounters}, like.options().dtype(at::kInt)));
+  bufs.emplace(dev, buf);
+  return buf->data_ptr<int>();
+}
+
 at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
                      const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
                      const c10::optional<at::Tensor>& bias_opt, int64_t path, int64_t splits) {
@@ -262,6 +288,7 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
   TORCH_CHECK(path != kMma || kHasMma, msg("kbit::gemm_path: this build has no tensor-core kernel"));
   TORCH_CHECK(splits >= 0 && splits <= 16, msg("kbit::gemm_path: splits must be 0..16 (the GEMV takes at most 8)"));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  int* const counters = wgmma_supported() ? zeroed_counters(x, stream) : nullptr;  // (any path: the first eager call)
   const auto* pk = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
   if (path == kGemv) {
     const size_t ws_bytes = gemv_workspace_bytes(int(a.m), int(a.n), int(a.k), int(bits), num_sms);
@@ -280,9 +307,13 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
                           num_sms, stream),
                "gemm (mma)");
   } else if (path == kWgmma) {
+    const size_t ws_bytes = wgmma_workspace_bytes(a.dtype, int(a.m), int(a.n), int(a.k), int(bits), num_sms,
+                                                  int(splits));
+    at::Tensor ws = at::empty({int64_t(ws_bytes)}, x.options().dtype(at::kByte));
     check_cuda(launch_wgmma(a.dtype, x.data_ptr(), pk, absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(),
                             bias_ptr, y.data_ptr(), int(a.m), int(a.n), int(a.k), int(bits), num_sms, stream,
-                            int(splits)),
+                            int(splits), ws_bytes ? ws.data_ptr() : nullptr,
+                            counters),
                "gemm (wgmma)");
   } else if (path == kDequant) {
     gemm_dequant(x, packed, absmax, codebook, bits, a, bias, y);

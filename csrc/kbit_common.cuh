@@ -38,6 +38,10 @@ struct StreamParams {
   int chunk;                 // K-units per split (the K range of one CTA)
   bool pdl;                  // launched with programmatic dependent launch (use_pdl())
   bool trigger;              // allow_dependents() once the main loop is done (pdl_trigger())
+  // wgmma only: split-K over `groups` clusters reduced through a global workspace (kbit_wgmma.cuh)
+  int groups = 1;
+  int* counters = nullptr;   // [tile][cluster rank] arrivals, zeroed on-stream before the launch
+  float4* partial = nullptr; // [tile][group][tile elements / 4] the clusters' sums
 };
 
 template <typename T> struct Vec2;

@@ -174,13 +174,20 @@ constexpr int kGemvOneTileM = 8;
 bool wgmma_supported();
 cudaError_t launch_wgmma(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,
                          const float* codebook, const void* bias, void* y, int m, int n, int k, int bits,
-                         int num_sms, cudaStream_t stream, int splits = 0);
+                         int num_sms, cudaStream_t stream, int splits = 0, void* workspace = nullptr,
+                         int* zeroed_counters = nullptr);
+// `zeroed_counters` (optional): kWgmmaZeroedCounters ints, all zero, which every launch leaves zero;
+// without it a launch that splits K over cluster groups zeroes counters in `workspace` first.
+constexpr int kWgmmaZeroedCounters = 1 << 16;
+// Bytes of `workspace` launch_wgmma needs (0 unless the plan splits K over cluster groups).
+size_t wgmma_workspace_bytes(DType dtype, int m, int n, int k, int bits, int num_sms, int splits);
 // The launch plan for tests and benchmarks: out = [tile_m, splits, grid x (splits), grid y
 // (token tiles), grid z (column groups), columns per CTA, CTAs per SM the launch allows (1:
 // launched with the shared memory of half an SM so the cluster scheduler cannot pack two CTAs
 // on one SM, or a kernel built for one per SM), row split (warpgroups sharing the CTA's slabs),
-// CTAs per SM the kernel is built for (2, or 1: the producer warpgroup and the wide table)].
-constexpr int kWgmmaPlanInts = 9;
+// CTAs per SM the kernel is built for (2, or 1: the producer warpgroup and the wide table),
+// cluster groups (split-K over that many clusters of `splits` CTAs, reduced through the workspace)].
+constexpr int kWgmmaPlanInts = 10;
 void wgmma_plan_info(DType dtype, int m, int n, int k, int bits, int num_sms, int splits, int* out);
 
 // Tiled layout -> row-major W rows [n_begin, n_end) into w[(n_end - n_begin), K] (fp16/bf16/fp32),

@@ -39,7 +39,7 @@ bool wgmma_supported() {
 
 cudaError_t launch_wgmma(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,
                          const float* codebook, const void* bias, void* y, int m, int n, int k, int bits,
-                         int num_sms, cudaStream_t stream, int splits) {
+                         int num_sms, cudaStream_t stream, int splits, void* workspace, int* zeroed_counters) {
   if (m < 1 || n < 1 || k < kBlock || k % kBlock != 0 || bits < 2 || bits > 5) return cudaErrorInvalidValue;
   if (dtype != DType::kHalf && dtype != DType::kBFloat16) return cudaErrorInvalidValue;
   if (!wgmma_supported()) return cudaErrorNotSupported;
@@ -54,6 +54,9 @@ cudaError_t launch_wgmma(DType dtype, const void* x, const uint32_t* packed, con
   p.chunk = p.ku_count;
   p.pdl = use_pdl();
   p.trigger = false;  // never timed on its own at 16 < M <= 1023 (pdl_trigger, kbit_ops.h)
+  p.partial = static_cast<float4*>(workspace);
+  p.counters = zeroed_counters;
+  if (misaligned(workspace)) return cudaErrorInvalidValue;
   return wg::dispatch(dtype, p, bits, splits, num_sms > 0 ? num_sms : 1, stream, nullptr);
 }
 
@@ -62,6 +65,12 @@ void wgmma_plan_info(DType dtype, int m, int n, int k, int bits, int num_sms, in
   p.m = m; p.n = n; p.k = k;
   p.ku_count = k_units(k);
   wg::dispatch(dtype, p, bits, splits, num_sms > 0 ? num_sms : 1, nullptr, out);
+}
+
+size_t wgmma_workspace_bytes(DType dtype, int m, int n, int k, int bits, int num_sms, int splits) {
+  int out[kWgmmaPlanInts] = {};
+  wgmma_plan_info(dtype, m, n, k, bits, num_sms, splits, out);
+  return wg::workspace_bytes(out);
 }
 
 }  // namespace kbit

@@ -37,7 +37,9 @@
 //     mbarriers: no CTA barrier in the loop (Cfg::kProducer). K=3,4 use the wide-row pair
 //     table wherever one CTA holds the SM (Cfg::kWideLut; also the forced 512-column CTAs).
 //   * split-K across a thread-block cluster (<= 16 CTAs along K), reduced through distributed
-//     shared memory in a fixed order: deterministic, no workspace, one launch (graph safe).
+//     shared memory in a fixed order: deterministic, no workspace, one launch (graph safe); where
+//     the clusters that would fill the SMs do not fit, over several clusters whose sums meet in
+//     a global workspace, added in a fixed order too (choose_groups).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -204,6 +206,15 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 // without the producer warpgroup.
 __device__ __forceinline__ void named_sync(uint32_t id, uint32_t count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// The same barrier, returning whether any of the `count` threads passed `pred` (a broadcast
+// without shared memory: the wide-table CTAs use all 227 KB of it).
+__device__ __forceinline__ bool named_sync_or(uint32_t id, uint32_t count, bool pred) {
+  uint32_t r;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r) : "r"(uint32_t(pred)), "r"(id), "r"(count) : "memory");
+  return r != 0;
 }
 // TMA: box (64 k, MT rows) of x at (k, row) -> the swizzled tile at `dst`; rows past M and k past
 // K arrive as zeros (the tensor map's bounds), so no predication and no padding of x.
@@ -584,9 +595,14 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
     return;
   }
   // split-K: partials to this CTA's shared memory ([element][thread], conflict-free), then CTA
-  // `split` of the cluster sums its slice of the elements over all CTAs in rank order.
+  // `rank` of the cluster sums its slice of the elements over the cluster's CTAs in rank order.
+  // With p.groups > 1 the K range is split over that many clusters (plan_t, choose_groups): each
+  // CTA writes its slice's cluster sum to the workspace, and the one to arrive last at that
+  // slice (a counter per tile and rank) adds the groups' sums in group order: bitwise
+  // deterministic, whichever cluster arrives last.
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
+  const int csize = splits / p.groups, rank = split % csize, group = split / csize;
   __syncthreads();  // pipeline smem is reused (every issued copy was waited for in the loop)
   float* part = reinterpret_cast<float*>(smem);
 #pragma unroll
@@ -597,15 +613,9 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   // four consecutive elements (four threads' partials of one register) per 16-byte DSMEM load
   constexpr int kElems = C::kAcc * kThreads;
   static_assert(kThreads % 4 == 0, "float4 slices stay inside one register row");
-  const int per = div_up(div_up(kElems, splits), 4) * 4;
-  const int e0 = split * per, e1 = min(kElems, e0 + per);
-#pragma unroll 2
-  for (int E = e0 + 4 * tid; E < e1; E += 4 * kThreads) {
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int q = 0; q < splits; ++q) {  // rank order: deterministic
-      const float4 r = *reinterpret_cast<const float4*>(cluster.map_shared_rank(part, q) + E);
-      v.x += r.x; v.y += r.y; v.z += r.z; v.w += r.w;
-    }
+  const int per = div_up(div_up(kElems, csize), 4) * 4;
+  const int e0 = rank * per, e1 = min(kElems, e0 + per);
+  const auto store4 = [&](int E, const float4 v) {
     const float vs[4] = {v.x, v.y, v.z, v.w};
     const int idx = E / kThreads;
     const int r = idx / (MT / 2), i = idx % (MT / 2), e = i & 3, j = i >> 2;
@@ -619,6 +629,55 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
         float o = vs[u];
         if (bias != nullptr) o += to_float(bias[col]);
         y[(long long)row * p.n + col] = from_float<T>(o);
+      }
+    }
+  };
+  const long long tile = (long long)col_group() * gridDim.y + token_tile();
+  float4* const sums = p.partial + tile * p.groups * (kElems / 4);  // [group][kElems / 4]
+#pragma unroll 2
+  for (int E = e0 + 4 * tid; E < e1; E += 4 * kThreads) {
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int q = 0; q < csize; ++q) {  // rank order: deterministic
+      const float4 r = *reinterpret_cast<const float4*>(cluster.map_shared_rank(part, q) + E);
+      v.x += r.x; v.y += r.y; v.z += r.z; v.w += r.w;
+    }
+    if (p.groups == 1) {
+      store4(E, v);
+    } else {
+      __stcg(sums + group * (kElems / 4) + E / 4, v);
+    }
+  }
+  if (p.groups > 1) {
+    __threadfence();  // release: this slice's sum is visible device-wide before the counter moves
+    int* const counter = p.counters + tile * csize + rank;
+    bool last = false;
+    if (tid == 0) {
+      last = atomicAdd(counter, 1) == p.groups - 1;
+      if (last) *counter = 0;  // every launch leaves its counters zero (launch_wgmma's zeroed_counters)
+    }
+    // the consumers only (a producer warpgroup waits at the cluster barriers)
+    if (named_sync_or(1, kThreads, last)) {
+      __threadfence();  // acquire: see the other groups' sums
+      // kBatch float4 of each group in flight before any is added: they are L2 round trips (one
+      // at a time, 4096x4096 at M = 256 took 35.5 us in the decode graph, batched 30.7)
+      constexpr int kBatch = 8;
+      for (int E0 = e0 + 4 * tid; E0 < e1; E0 += 4 * kThreads * kBatch) {
+        float4 v[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) v[b] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int g2 = 0; g2 < p.groups; ++g2) {  // group order: deterministic
+          float4 r[kBatch];
+#pragma unroll
+          for (int b = 0; b < kBatch; ++b) {
+            const int E = E0 + 4 * kThreads * b;
+            r[b] = E < e1 ? __ldcg(sums + g2 * (kElems / 4) + E / 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+          }
+#pragma unroll
+          for (int b = 0; b < kBatch; ++b) v[b].x += r[b].x, v[b].y += r[b].y, v[b].z += r[b].z, v[b].w += r[b].w;
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b)
+          if (E0 + 4 * kThreads * b < e1) store4(E0 + 4 * kThreads * b, v[b]);
       }
     }
   }
@@ -690,8 +749,8 @@ template <typename T> cudaError_t make_x_map(const Params& p, int mt, CUtensorMa
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// Launch one instantiation with `splits` (1..kMaxSplits) CTAs per cluster along K; `spread`:
-// with spread_bytes of shared memory, so that no SM takes two CTAs.
+// Launch one instantiation with `splits` CTAs along K: p.groups clusters of splits / p.groups
+// (1..kMaxSplits) CTAs; `spread`: with spread_bytes of shared memory, so that no SM takes two.
 template <int BITS, int MT, int CN, int R, int CPS, typename T>
 cudaError_t launch_t(const Params& p, int splits, bool spread, cudaStream_t stream) {
   alignas(64) CUtensorMap xmap;
@@ -708,7 +767,7 @@ cudaError_t launch_t(const Params& p, int splits, bool spread, cudaStream_t stre
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = splits;
+  attr[0].val.clusterDim.x = splits / p.groups;  // grid x = clusters of the split x groups
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -788,11 +847,47 @@ inline int plan_split(long long tiles, int ku, int num_sms, const Occupancy& occ
   return div_up(ku, *chunk);
 }
 
+// Split-K over G > 1 clusters of c CTAs each, the clusters' sums added through a global
+// workspace (the kernel's epilogue): for layers whose few tiles leave SMs idle at one CTA per SM
+// because the clusters that would fill them do not all fit. The H200 holds 30 clusters of 4
+// (of 132 SMs), so the 32 tiles of 4096 columns at 129..256 tokens ran as clusters of 3 on 96
+// SMs; as two clusters of 2 a tile they take 128. Each CTA then writes its slice of the tile's
+// cluster sum (128 KB / c at MT = 128) and the last of the G reads G of them: kGroupSliceCost
+// per 128 KB in choose_splits' units, as much as a cluster's own reduction (kSplitCost128).
+// Measured on the H200 (8B decode graph, K=4, alternated twice in one call, docs/MMA.md): at
+// M = 256, 4096x14336 took 72.5 -> 64.2 us as two clusters of 2, 4096x4096 27.8 -> 28.4 (its
+// reduction weighs more against its shorter K range); with this cost the plan groups the first
+// and not the second. Only at MT = 128 (one CTA per SM), never past one wave, never with a
+// forced split; KBIT_WGMMA_GROUPS = 1 turns it off, = G >= 2 forces G (tuning and tests).
+constexpr int kGroupSliceCost = 40;
+inline int choose_groups(long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost, int s,
+                         int* c_out) {
+  constexpr int kAlone = 10, kFixed = 3 * kAlone;  // choose_splits' units, one CTA per SM
+  const auto cost = [&](int c, int g) -> long long {
+    const long long clusters = tiles * g, resident = occ.clusters[c][0] > 0 ? occ.clusters[c][0] : num_sms / c;
+    const long long waves = div_up(clusters, resident);
+    return waves * (div_up(ku, c * g) * kAlone + kFixed + (c * g > 1 ? split_cost : 0) +
+                    (g > 1 ? kGroupSliceCost * (g + 1) / c : 0));
+  };
+  long long best = cost(s, 1);
+  int best_g = 1;
+  *c_out = s;
+  for (int c = 1; c <= kPortableSplits; ++c)
+    for (int g = 2; c * g <= kMaxSplits && tiles * c * g <= num_sms; ++g) {
+      const int chunk = div_up(ku, c * g);
+      if (chunk < 2 || (long long)(c * g - 1) * chunk >= ku) break;  // no CTA without K-tiles
+      const long long v = cost(c, g);
+      if (v < best) best = v, best_g = g, *c_out = c;
+    }
+  return best_g;
+}
+
 // Debug overrides for tuning, read on every call, unset in production:
 // KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128, KBIT_WGMMA_WIDE = 1 (512-column CTAs at tiles <= 64),
 // KBIT_WGMMA_SPREAD = 0 (never launch spread), KBIT_WGMMA_ROWSPLIT = 1 | 2 (at MT = 32) and
 // KBIT_WGMMA_MAX_SPLITS = 1..16 (the largest cluster choose_splits considers),
-// KBIT_WGMMA_SPLIT_COST = 0.. (choose_splits' reduction cost at MT = 128; 0 = the plan before it).
+// KBIT_WGMMA_SPLIT_COST = 0.. (choose_splits' reduction cost at MT = 128; 0 = the plan before it),
+// KBIT_WGMMA_GROUPS = 1 | G (choose_groups).
 inline int tile_m(int m) {
   const int t = env_int("KBIT_WGMMA_TILE_M", 0);
   if (t == 16 || t == 32 || t == 64 || t == 128) return t;
@@ -884,7 +979,8 @@ constexpr int kShortChunk = 48;
 //
 // The plan of one call: [tile_m, splits, grid x (splits), grid y (token tiles), grid z
 // (column groups), columns per CTA, CTAs per SM the launch allows (1 when spread or built for
-// one), row split, CTAs per SM the kernel is built for (one_per_sm)]. `splits` > 0 forces the
+// one), row split, CTAs per SM the kernel is built for (one_per_sm), cluster groups
+// (choose_groups; grid x = splits x groups)]. `splits` > 0 forces the
 // split factor (clamped to 1..min(the device's largest cluster: 16, or 8 without non-portable
 // sizes; K-tiles)).
 template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, int* out) {
@@ -908,8 +1004,32 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
       one_per_sm(tiles, p.ku_count, num_sms, occ, occupancy_for<BITS, T>(64, 256, 2, 1), splits,
                  one_per_sm_deeper<BITS>(), spread, &s, &p.chunk))
     cps = 1, spread = false;
-  out[0] = mt; out[1] = s; out[2] = s; out[3] = gz; out[4] = gy; out[5] = cn; out[6] = spread || cps == 1 ? 1 : occ.per_sm;
-  out[7] = rs; out[8] = cps;
+  // cluster groups (choose_groups): s becomes the cluster size, the grid s x groups along K
+  const int groups_env = env_int("KBIT_WGMMA_GROUPS", 0);
+  int groups = 1;
+  if (groups_env >= 2) {
+    groups = groups_env;
+  } else if (groups_env == 0 && splits == 0 && mt == 128 && cps == 1) {
+    groups = choose_groups(tiles, p.ku_count, num_sms, occ_split, split_cost, s, &s);
+  }
+  // (a forced G: at most what leaves every CTA a K-tile)
+  while (groups > 1 && (long long)(s * groups - 1) * div_up(p.ku_count, s * groups) >= p.ku_count) --groups;
+  if (groups > 1) {
+    p.chunk = div_up(p.ku_count, s * groups);
+    spread = false;
+  }
+  p.groups = groups;
+  out[0] = mt; out[1] = s; out[2] = s * groups; out[3] = gz; out[4] = gy; out[5] = cn;
+  out[6] = spread || cps == 1 ? 1 : occ.per_sm; out[7] = rs; out[8] = cps; out[9] = groups;
+}
+
+// Workspace of a plan (plan_t's out[]): none without cluster groups; else a counter per tile and
+// cluster rank (256 B steps), then each group's fp32 sum of every tile.
+inline size_t group_counter_bytes(const int* pl) {
+  return pl[9] > 1 ? (size_t(pl[3]) * pl[4] * pl[1] * sizeof(int) + 255) / 256 * 256 : 0;
+}
+inline size_t workspace_bytes(const int* pl) {
+  return pl[9] > 1 ? group_counter_bytes(pl) + size_t(pl[3]) * pl[4] * pl[9] * pl[5] * pl[0] * sizeof(float) : 0;
 }
 
 template <int BITS, typename T>
@@ -918,10 +1038,20 @@ cudaError_t launch_t2(Params p, int splits, int num_sms, cudaStream_t stream, in
   int* pl = plan != nullptr ? plan : local;
   plan_t<BITS, T>(p, splits, num_sms, pl);
   if (plan != nullptr && p.x == nullptr) return cudaSuccess;  // plan query only
+  if (p.groups > 1) {  // the workspace (p.partial): counters, then the clusters' sums (workspace_bytes)
+    if (p.partial == nullptr) return cudaErrorInvalidValue;
+    const size_t counter_bytes = group_counter_bytes(pl);
+    if (p.counters == nullptr || size_t(pl[3]) * pl[4] * pl[1] > size_t(kWgmmaZeroedCounters)) {
+      p.counters = reinterpret_cast<int*>(p.partial);
+      const cudaError_t e = cudaMemsetAsync(p.counters, 0, counter_bytes, stream);  // graph-capturable
+      if (e != cudaSuccess) return e;
+    }  // else the caller's counters, zero and left zero by every launch (self-reset)
+    p.partial = reinterpret_cast<float4*>(reinterpret_cast<char*>(p.partial) + counter_bytes);
+  }
   const bool spread = pl[6] == 1 && occupancy_for<BITS, T>(pl[0], pl[5], pl[7], pl[8]).per_sm > 1;
   return with_instantiation(pl[0], pl[5], pl[7], pl[8], [&](auto m, auto c, auto r, auto q) {
     return launch_t<BITS, decltype(m)::value, decltype(c)::value, decltype(r)::value, decltype(q)::value, T>(
-        p, pl[1], spread, stream);
+        p, pl[2], spread, stream);  // grid x: the split x the cluster groups
   });
 }
 

@@ -5,7 +5,8 @@
 
 Covers the token tiles (16, 32, 64, 128), one and two warpgroups per CTA (row split), the
 producer warpgroup and the wide pair table (tile 128, and tile 64 built for one CTA per SM),
-split-K clusters (forced 1, 2, 3, 8, 16 and the plan's), the M / N / K tails (rows past M, slabs
+split-K clusters (forced 1, 2, 3, 8, 16 and the plan's) and cluster groups meeting in the global
+workspace, the M / N / K tails (rows past M, slabs
 past N, K % 64 == 32), bias, fp16 and bf16, K = 2..5.
 Shapes are tiny so the tools finish in seconds. Exits non-zero if a result is off (the
 sanitizer reports its own errors). Exits 0 with a note where the wgmma path is unavailable.
@@ -18,7 +19,7 @@ import torch
 from gemm_cases import sanitize_case  # tests/ is this script's directory, so on sys.path
 from vllm_kbit import ops  # noqa: F401  (registers the ops, loads vllm_kbit._C)
 
-CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)[, KBIT_WGMMA_ONE]
+CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)[, KBIT_WGMMA_ONE[, KBIT_WGMMA_GROUPS]]
     (17, 200, 96, 3, torch.float16, True, 0),         # tile 32 (two warpgroups), slabs past N, K % 64 == 32
     (16, 130, 4128, 4, torch.bfloat16, False, 3),     # tile 16, 3-CTA cluster, uneven chunks
     (64, 64, 2048, 2, torch.float16, True, 8),        # tile 64, 8-CTA cluster, one slab
@@ -32,6 +33,8 @@ CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)[, KBIT_WGMMA_ONE
     (129, 72, 2048, 5, torch.float16, False, 16),     # tile 128: producer + 16-CTA cluster
     (64, 520, 4128, 4, torch.bfloat16, True, 0, "1"),   # tile 64 one per SM: producer + wide table
     (40, 200, 2048, 5, torch.float16, False, 3, "1"),   # tile 64 one per SM, K=5 (no table), 3-CTA cluster
+    (200, 520, 2048, 4, torch.float16, True, 2, "-1", "2"),   # tile 128: two clusters of 2 through the workspace
+    (48, 300, 4128, 3, torch.bfloat16, False, 1, "-1", "3"),  # tile 64: three clusters of 1 (no producer)
 ]
 
 
@@ -42,11 +45,12 @@ def main():
     bad = 0
     for m, n, k, bits, dtype, bias, splits, *one in CASES:
         os.environ["KBIT_WGMMA_ONE"] = one[0] if one else "-1"  # read on every call (kbit_wgmma.cuh)
+        os.environ["KBIT_WGMMA_GROUPS"] = one[1] if len(one) > 1 else "0"
         ok, err = sanitize_case(4, m, n, k, bits, dtype, bias, splits)
         plan = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
         bad += not ok
         print(f"{'ok  ' if ok else 'FAIL'} m={m} n={n} k={k} bits={bits} {dtype} tile_m={plan[0]} "
-              f"splits={plan[1]} row_split={plan[7]} per_sm={plan[8]} relerr={err:.2e}", flush=True)
+              f"splits={plan[1]} row_split={plan[7]} per_sm={plan[8]} groups={plan[9]} relerr={err:.2e}", flush=True)
     torch.cuda.synchronize()
     sys.exit(1 if bad else 0)
 

@@ -25,8 +25,9 @@ if not gemm_cases.have("has_wgmma"):
 
 
 def plan(m, n, k, bits, dtype=torch.float16, splits=0):
-    tile_m, s, gx, gy, gz, cols, per_sm, rows, cps = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
-    return dict(tile_m=tile_m, splits=s, grid=(gx, gy, gz), cols=cols, per_sm=per_sm, row_split=rows, built_per_sm=cps)
+    tile_m, s, gx, gy, gz, cols, per_sm, rows, cps, groups = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
+    return dict(tile_m=tile_m, splits=s, grid=(gx, gy, gz), cols=cols, per_sm=per_sm, row_split=rows, built_per_sm=cps,
+                groups=groups)
 
 
 def check(m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0, splits=0):
@@ -140,6 +141,56 @@ def test_one_per_sm_plan():
     assert plan(64, 4096, 4096, 2)["built_per_sm"] == 2
     assert plan(32, 4096, 4096, 4)["built_per_sm"] == 2 and plan(16, 4096, 4096, 4)["built_per_sm"] == 2
     assert plan(200, 4096, 4096, 4)["built_per_sm"] == 1
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("m", [40, 100, 200])
+def test_cluster_groups(m, groups, monkeypatch):
+    # Split-K over several clusters whose sums meet in the global workspace (choose_groups),
+    # forced at 64- and 128-token tiles (with and without the producer warpgroup), clusters of
+    # 1, 2 and 3 CTAs, every bit width and dtype. Rerun on the same x and compared bitwise: the
+    # last cluster to arrive adds the groups in group order, whichever cluster it is.
+    monkeypatch.setenv("KBIT_WGMMA_GROUPS", str(groups))
+    n, k = 1000, 4128  # 65 K-tiles: uneven chunks
+    for bits, dtype, splits in ((2, torch.float16, 1), (3, torch.bfloat16, 2), (4, torch.float16, 3),
+                                (5, torch.bfloat16, 2)):
+        p = plan(m, n, k, bits, dtype, splits)
+        assert p["groups"] == groups and p["splits"] == splits and p["grid"][0] == splits * groups, p
+        outs, (packed, absmax, cb, b) = check(m, n, k, bits, dtype, bias=True, splits=splits)
+        for x, y in outs:
+            y2 = gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, n, k, b, splits)
+            assert torch.equal(y.view(torch.int16), y2.view(torch.int16)), f"not bitwise deterministic {p}"
+
+
+@pytest.mark.parametrize("zeroed", ["1", "0"])
+def test_cluster_groups_plan(zeroed, monkeypatch):
+    # 4096 columns at 129..256 tokens are 32 tiles of 128 tokens; clusters of 4 would fill 128
+    # SMs, but the H200 holds 30 of them, so the plan runs the long-K layer (4096x14336) as two
+    # clusters of 2 per tile; not 4096x4096 (measured slower so), nor where clusters of 4 fit
+    # (3584 columns: 28 tiles), nor wide layers, nor below 128-token tiles, nor with a forced
+    # split or KBIT_WGMMA_GROUPS=1. The plan's picks are checked against float64 at every bit
+    # width and dtype and in a CUDA graph, with the device's zeroed counters (left zero by each
+    # launch) and with KBIT_WGMMA_ZEROED=0 (a memset of counters in the workspace first).
+    monkeypatch.setenv("KBIT_WGMMA_ZEROED", zeroed)
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the plan's picks below are the H200's (132 SMs)")
+    n, k = 4096, 14336
+    for m in (256, 200, 129):
+        p = plan(m, n, k, 4)
+        assert p["groups"] == 2 and p["splits"] == 2 and p["grid"][0] == 4, (m, p)
+    assert plan(256, 4096, 4096, 4)["groups"] == 1 and plan(256, 3584, 18944, 4)["groups"] == 1
+    assert plan(256, 28672, 4096, 4)["groups"] == 1 and plan(64, n, k, 4)["groups"] == 1
+    assert plan(256, n, k, 4, splits=3)["groups"] == 1
+    for bits, dtype in ((2, torch.bfloat16), (3, torch.float16), (4, torch.bfloat16), (5, torch.float16)):
+        m = 200 if bits % 2 else 256  # two token tiles either way (a partial second one at 200)
+        assert plan(m, n, k, bits, dtype)["groups"] == 2
+        outs, (packed, absmax, cb, b) = check(m, n, k, bits, dtype, bias=(bits % 2 == 0))
+        x, y = outs[0]
+        y2 = gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, n, k, b)
+        assert torch.equal(y.view(torch.int16), y2.view(torch.int16)), "not bitwise deterministic"
+    gemm_cases.check_graph_capture(WGMMA_PATH, m=256, n=n, k=k, bits=4)
+    monkeypatch.setenv("KBIT_WGMMA_GROUPS", "1")
+    assert plan(256, n, k, 4)["groups"] == 1
 
 
 def test_row_split_plan():
