@@ -857,17 +857,20 @@ inline int plan_split(long long tiles, int ku, int num_sms, const Occupancy& occ
 // Measured on the H200 (8B decode graph, K=4, alternated twice in one call, docs/MMA.md): at
 // M = 256, 4096x14336 took 72.5 -> 64.2 us as two clusters of 2, 4096x4096 27.8 -> 28.4 (its
 // reduction weighs more against its shorter K range); with this cost the plan groups the first
-// and not the second. Only at MT = 128 (one CTA per SM), never past one wave, never with a
-// forced split; KBIT_WGMMA_GROUPS = 1 turns it off, = G >= 2 forces G (tuning and tests).
+// and not the second. The same at 64-token tiles built for one CTA per SM (one_per_sm), whose
+// tile sums are half as large: 4096x14336 at 33..64 tokens (16 tiles) ran as 16 clusters of 6
+// (17 of 7 do not fit) and runs as four clusters of 2 a tile. Never with two CTAs per SM, past
+// one wave, or with a forced split; KBIT_WGMMA_GROUPS = 1 turns it off, = G >= 2 forces G.
 constexpr int kGroupSliceCost = 40;
 inline int choose_groups(long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost, int s,
-                         int* c_out) {
+                         int mt, int* c_out) {
+  const int slice_cost = kGroupSliceCost * mt / 128;  // a tile's sum is CN x MT fp32
   constexpr int kAlone = 10, kFixed = 3 * kAlone;  // choose_splits' units, one CTA per SM
   const auto cost = [&](int c, int g) -> long long {
     const long long clusters = tiles * g, resident = occ.clusters[c][0] > 0 ? occ.clusters[c][0] : num_sms / c;
     const long long waves = div_up(clusters, resident);
     return waves * (div_up(ku, c * g) * kAlone + kFixed + (c * g > 1 ? split_cost : 0) +
-                    (g > 1 ? kGroupSliceCost * (g + 1) / c : 0));
+                    (g > 1 ? slice_cost * (g + 1) / c : 0));
   };
   long long best = cost(s, 1);
   int best_g = 1;
@@ -1009,8 +1012,8 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
   int groups = 1;
   if (groups_env >= 2) {
     groups = groups_env;
-  } else if (groups_env == 0 && splits == 0 && mt == 128 && cps == 1) {
-    groups = choose_groups(tiles, p.ku_count, num_sms, occ_split, split_cost, s, &s);
+  } else if (groups_env == 0 && splits == 0 && cps == 1) {  // one CTA per SM: MT = 128, or one_per_sm's 64
+    groups = choose_groups(tiles, p.ku_count, num_sms, occupancy_for<BITS, T>(mt, cn, rs, 1), split_cost, s, mt, &s);
   }
   // (a forced G: at most what leaves every CTA a K-tile)
   while (groups > 1 && (long long)(s * groups - 1) * div_up(p.ku_count, s * groups) >= p.ku_count) --groups;

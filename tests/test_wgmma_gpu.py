@@ -167,8 +167,9 @@ def test_cluster_groups_plan(zeroed, monkeypatch):
     # 4096 columns at 129..256 tokens are 32 tiles of 128 tokens; clusters of 4 would fill 128
     # SMs, but the H200 holds 30 of them, so the plan runs the long-K layer (4096x14336) as two
     # clusters of 2 per tile; not 4096x4096 (measured slower so), nor where clusters of 4 fit
-    # (3584 columns: 28 tiles), nor wide layers, nor below 128-token tiles, nor with a forced
-    # split or KBIT_WGMMA_GROUPS=1. The plan's picks are checked against float64 at every bit
+    # (3584 columns: 28 tiles), nor wide layers, nor with two CTAs per SM (32-token tiles), nor
+    # with a forced split or KBIT_WGMMA_GROUPS=1; at 64-token tiles built for one CTA per SM, its
+    # 16 tiles run as four clusters of 2 each. The plan's picks are checked against float64 at every bit
     # width and dtype and in a CUDA graph, with the device's zeroed counters (left zero by each
     # launch) and with KBIT_WGMMA_ZEROED=0 (a memset of counters in the workspace first).
     monkeypatch.setenv("KBIT_WGMMA_ZEROED", zeroed)
@@ -179,7 +180,12 @@ def test_cluster_groups_plan(zeroed, monkeypatch):
         p = plan(m, n, k, 4)
         assert p["groups"] == 2 and p["splits"] == 2 and p["grid"][0] == 4, (m, p)
     assert plan(256, 4096, 4096, 4)["groups"] == 1 and plan(256, 3584, 18944, 4)["groups"] == 1
-    assert plan(256, 28672, 4096, 4)["groups"] == 1 and plan(64, n, k, 4)["groups"] == 1
+    assert plan(256, 28672, 4096, 4)["groups"] == 1 and plan(32, n, k, 4)["groups"] == 1
+    # 64-token tiles built for one CTA per SM: 16 tiles as four clusters of 2 each
+    p = plan(64, n, k, 4)
+    assert p["built_per_sm"] == 1 and p["groups"] == 4 and p["splits"] == 2, p
+    check(64, n, k, 4, torch.float16, bias=True)
+    check(48, n, k, 3, torch.bfloat16)
     assert plan(256, n, k, 4, splits=3)["groups"] == 1
     for bits, dtype in ((2, torch.bfloat16), (3, torch.float16), (4, torch.bfloat16), (5, torch.float16)):
         m = 200 if bits % 2 else 256  # two token tiles either way (a partial second one at 200)
