@@ -22,6 +22,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kbit_ops.h"
@@ -246,26 +247,30 @@ int64_t auto_path(int64_t m, int64_t bits) {
 }
 
 // The wgmma kernel's cluster-group counters (kbit_wgmma.cuh, choose_groups): one zeroed int32
-// buffer per device, left zero by every launch (the last CTA at a counter resets it), so a launch
-// needs no memset before it. A memset node before each launch cost ~3 us a call in the decode
-// graph, which took the gain of 4096x14336 at 256 tokens from 11% to 6% and made 4096x4096 10%
-// slower (docs/MMA.md). Allocated by the first call outside CUDA-graph capture (vLLM's profile
-// run precedes its captures); a launch before that, or with KBIT_WGMMA_ZEROED=0, zeroes counters
-// in its own workspace on-stream. Shared by the device's streams: two such GEMMs must not run at
-// once on two streams (vLLM runs a model's layers on one).
+// buffer per device and stream, left zero by every launch (the last CTA at a counter resets it),
+// so a launch needs no memset before it. A memset node before each launch cost ~3 us a call in
+// the decode graph, which took the gain of 4096x14336 at 256 tokens from 11% to 6% and made
+// 4096x4096 10% slower (docs/MMA.md). Per stream, because launches on two streams may overlap
+// and would share counters; launches on one stream do not touch them at once (a kernel reaches
+// its epilogue only after griddepcontrol.wait, so after the kernel before it has finished).
+// Allocated by the first call on a stream outside CUDA-graph capture: vLLM captures on the
+// stream its profile run used, eagerly, before (compilation/cuda_graph.py). A call on a stream
+// without one (first call under capture), or with KBIT_WGMMA_ZEROED=0, zeroes counters in its
+// own workspace on-stream instead. A graph replayed on another stream than it was captured on
+// uses the capture stream's counters.
 int* zeroed_counters(const at::Tensor& like, cudaStream_t stream) {
   static std::mutex mu;
-  static std::map<int, at::Tensor*> bufs;  // never freed: outlives the CUDA context at exit
+  static std::map<std::pair<int, cudaStream_t>, at::Tensor*> bufs;  // never freed: outlive the context at exit
   if (env_int("KBIT_WGMMA_ZEROED", 1) == 0) return nullptr;
-  const int dev = like.get_device();
+  const auto key = std::make_pair(int(like.get_device()), stream);
   const std::lock_guard<std::mutex> lock(mu);
-  const auto it = bufs.find(dev);
+  const auto it = bufs.find(key);
   if (it != bufs.end()) return it->second->data_ptr<int>();
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone)
     return nullptr;
   at::Tensor* buf = new at::Tensor(at::zeros({kWgmmaZeroedCounters}, like.options().dtype(at::kInt)));
-  bufs.emplace(dev, buf);
+  bufs.emplace(key, buf);
   return buf->data_ptr<int>();
 }
 

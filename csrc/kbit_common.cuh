@@ -40,7 +40,7 @@ struct StreamParams {
   bool trigger;              // allow_dependents() once the main loop is done (pdl_trigger())
   // wgmma only: split-K over `groups` clusters reduced through a global workspace (kbit_wgmma.cuh)
   int groups = 1;
-  int* counters = nullptr;   // [tile][cluster rank] arrivals, zeroed on-stream before the launch
+  int* counters = nullptr;   // [tile][cluster rank] arrivals: zero before a launch and after it
   float4* partial = nullptr; // [tile][group][tile elements / 4] the clusters' sums
 };
 

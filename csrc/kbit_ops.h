@@ -181,7 +181,8 @@ cudaError_t launch_wgmma(DType dtype, const void* x, const uint32_t* packed, con
 constexpr int kWgmmaZeroedCounters = 1 << 16;
 // Bytes of `workspace` launch_wgmma needs (0 unless the plan splits K over cluster groups).
 size_t wgmma_workspace_bytes(DType dtype, int m, int n, int k, int bits, int num_sms, int splits);
-// The launch plan for tests and benchmarks: out = [tile_m, splits, grid x (splits), grid y
+// The launch plan for tests and benchmarks: out = [tile_m, splits (CTAs per cluster along K),
+// grid x (splits x cluster groups), grid y
 // (token tiles), grid z (column groups), columns per CTA, CTAs per SM the launch allows (1:
 // launched with the shared memory of half an SM so the cluster scheduler cannot pack two CTAs
 // on one SM, or a kernel built for one per SM), row split (warpgroups sharing the CTA's slabs),

@@ -648,16 +648,23 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
     }
   }
   if (p.groups > 1) {
-    __threadfence();  // release: this slice's sum is visible device-wide before the counter moves
+    // Every consumer's part of the slice is stored before thread 0 moves the counter: the CTA
+    // barrier, then thread 0's fence, a release that covers what the barrier ordered before it
+    // (CUTLASS's semaphore pattern; the mma kernel fences in every thread instead).
+    // Barriers of the consumers only: a producer warpgroup waits at the cluster barriers.
+    named_sync(1, kThreads);
     int* const counter = p.counters + tile * csize + rank;
     bool last = false;
     if (tid == 0) {
+      __threadfence();  // release: the slice before the count
       last = atomicAdd(counter, 1) == p.groups - 1;
-      if (last) *counter = 0;  // every launch leaves its counters zero (launch_wgmma's zeroed_counters)
+      if (last) {
+        *counter = 0;      // every launch leaves its counters zero (the caller's zeroed counters)
+        __threadfence();   // acquire, in the thread that observed the count
+      }
     }
-    // the consumers only (a producer warpgroup waits at the cluster barriers)
     if (named_sync_or(1, kThreads, last)) {
-      __threadfence();  // acquire: see the other groups' sums
+      __threadfence();  // acquire for the threads that read the other groups' sums
       // kBatch float4 of each group in flight before any is added: they are L2 round trips (one
       // at a time, 4096x4096 at M = 256 took 35.5 us in the decode graph, batched 30.7)
       constexpr int kBatch = 8;
@@ -855,12 +862,13 @@ inline int plan_split(long long tiles, int ku, int num_sms, const Occupancy& occ
 // cluster sum (128 KB / c at MT = 128) and the last of the G reads G of them: kGroupSliceCost
 // per 128 KB in choose_splits' units, as much as a cluster's own reduction (kSplitCost128).
 // Measured on the H200 (8B decode graph, K=4, alternated twice in one call, docs/MMA.md): at
-// M = 256, 4096x14336 took 72.5 -> 64.2 us as two clusters of 2, 4096x4096 27.8 -> 28.4 (its
-// reduction weighs more against its shorter K range); with this cost the plan groups the first
-// and not the second. The same at 64-token tiles built for one CTA per SM (one_per_sm), whose
-// tile sums are half as large: 4096x14336 at 33..64 tokens (16 tiles) ran as 16 clusters of 6
-// (17 of 7 do not fit) and runs as four clusters of 2 a tile. Never with two CTAs per SM, past
-// one wave, or with a forced split; KBIT_WGMMA_GROUPS = 1 turns it off, = G >= 2 forces G.
+// M = 256, 4096x14336 took 71.8 / 74.3 -> 67.0 / 66.2 us as two clusters of 2; a probe build
+// had 4096x4096 at 27.8 -> 28.4 (its reduction weighs more against its shorter K range). With
+// this cost the plan groups the first and not the second. Only at MT = 128 (one CTA per SM), never past one wave, never with a
+// forced split; KBIT_WGMMA_GROUPS = 1 turns it off, = G >= 2 forces G (tuning and tests).
+// Not at the 64-token tiles built for one CTA per SM either: 4096x14336 at 33..64 tokens as
+// four clusters of 2 a tile took 31.5 -> 31.9 us in the decode graph (one call, alternated
+// twice, docs/MMA.md), once the slice's stores were waited for before the counter moved.
 constexpr int kGroupSliceCost = 40;
 inline int choose_groups(long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost, int s,
                          int mt, int* c_out) {
@@ -980,10 +988,10 @@ constexpr int kShortChunk = 48;
 // vs 55.2; bench_gemm.py with KBIT_WGMMA_WIDE=0 / 1 / unset, same call, H200). So the plan
 // takes them only when forced (KBIT_WGMMA_WIDE=1, for tuning and the tests).
 //
-// The plan of one call: [tile_m, splits, grid x (splits), grid y (token tiles), grid z
-// (column groups), columns per CTA, CTAs per SM the launch allows (1 when spread or built for
-// one), row split, CTAs per SM the kernel is built for (one_per_sm), cluster groups
-// (choose_groups; grid x = splits x groups)]. `splits` > 0 forces the
+// The plan of one call: [tile_m, splits (CTAs per cluster), grid x (splits x cluster groups),
+// grid y (token tiles), grid z (column groups), columns per CTA, CTAs per SM the launch allows
+// (1 when spread or built for one), row split, CTAs per SM the kernel is built for
+// (one_per_sm), cluster groups (choose_groups)]. `splits` > 0 forces the
 // split factor (clamped to 1..min(the device's largest cluster: 16, or 8 without non-portable
 // sizes; K-tiles)).
 template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, int* out) {
@@ -1012,8 +1020,8 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
   int groups = 1;
   if (groups_env >= 2) {
     groups = groups_env;
-  } else if (groups_env == 0 && splits == 0 && cps == 1) {  // one CTA per SM: MT = 128, or one_per_sm's 64
-    groups = choose_groups(tiles, p.ku_count, num_sms, occupancy_for<BITS, T>(mt, cn, rs, 1), split_cost, s, mt, &s);
+  } else if (groups_env == 0 && splits == 0 && mt == 128) {  // one CTA per SM
+    groups = choose_groups(tiles, p.ku_count, num_sms, occ_split, split_cost, s, mt, &s);
   }
   // (a forced G: at most what leaves every CTA a K-tile)
   while (groups > 1 && (long long)(s * groups - 1) * div_up(p.ku_count, s * groups) >= p.ku_count) --groups;

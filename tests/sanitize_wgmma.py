@@ -34,7 +34,8 @@ CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)[, KBIT_WGMMA_ONE
     (64, 520, 4128, 4, torch.bfloat16, True, 0, "1"),   # tile 64 one per SM: producer + wide table
     (40, 200, 2048, 5, torch.float16, False, 3, "1"),   # tile 64 one per SM, K=5 (no table), 3-CTA cluster
     (200, 520, 2048, 4, torch.float16, True, 2, "-1", "2"),   # tile 128: two clusters of 2 through the workspace
-    (48, 300, 4128, 3, torch.bfloat16, False, 1, "-1", "3"),  # tile 64: three clusters of 1 (no producer)
+    (48, 300, 4128, 3, torch.bfloat16, False, 1, "-1", "3"),  # tile 64 one per SM: three clusters of 1
+    (48, 300, 4128, 4, torch.float16, True, 2, "0", "2"),     # tile 64, two per SM (no producer): two clusters of 2
 ]
 
 

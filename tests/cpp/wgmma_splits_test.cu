@@ -1,5 +1,6 @@
-// CPU replay of the wgmma kernel's plan (kbit_wgmma.cuh: tile_m, choose_splits through
-// plan_split, one_per_sm, as plan_t) for K=4, the sweeps' bit width; built and run by
+// CPU replay of the wgmma kernel's cluster split (kbit_wgmma.cuh: tile_m, choose_splits through
+// plan_split, one_per_sm, as plan_t; not the cluster groups that plan_t may add after them,
+// choose_groups, whose picks tests/test_wgmma_gpu.py pins on the device) for K=4, the sweeps' bit width; built and run by
 // tests/test_wgmma_plan.py with nvcc as host code. Reads "n k m" lines on stdin and prints
 // "n k m splits ctas_per_sm" for each (the CTAs per SM the kernel is built for; KBIT_WGMMA_ONE
 // forces one at MT = 64), with the H200's occupancy (cudaOccupancyMaxActiveClusters for
