@@ -4,7 +4,8 @@ forced split sweeps in benchmarks/results (bench_gemm.py --sweep-splits, K=4: M 
 128-token tiles; M = 32..64 at 32- and 64-token tiles, the 64-token tile built for two CTAs per SM
 and for one, KBIT_WGMMA_ONE=0 / 1), and the pick (split, CTAs per SM) must run within 4% of the
 fastest forced configuration measured there (back-to-back timings of one configuration on the big
-layers differ by up to a few %). Skipped without nvcc."""
+layers differ by up to a few %). The cluster groups plan_t adds at 128-token tiles (choose_groups)
+are pinned on the layers they were measured on. Skipped without nvcc."""
 import collections
 import json
 import os
@@ -57,12 +58,13 @@ def replay(tmp_path_factory):
     subprocess.run([NVCC, "-std=c++17", "--expt-relaxed-constexpr", "-I", os.path.join(ROOT, "csrc"), "-o", str(exe),
                     os.path.join(ROOT, "tests", "cpp", "wgmma_splits_test.cu")], check=True, timeout=600)
 
-    def run(cases, cost=None):
+    def run(cases, cost=None, groups=False):
         stdin = "".join(f"{n} {k} {m}\n" for n, k, m in cases)
         r = subprocess.run([str(exe)] + ([str(cost)] if cost is not None else []), input=stdin,
                            capture_output=True, text=True, timeout=60, check=True)
-        # (n, k, m) -> (splits, CTAs per SM)
-        return {tuple(int(v) for v in line.split()[:3]): tuple(int(v) for v in line.split()[3:5])
+        # (n, k, m) -> (splits, CTAs per SM), or with groups=True (cluster groups, CTAs per cluster)
+        cols = slice(5, 7) if groups else slice(3, 5)
+        return {tuple(int(v) for v in line.split()[:3]): tuple(int(v) for v in line.split()[cols])
                 for line in r.stdout.splitlines()}
     return run
 
@@ -94,3 +96,19 @@ def test_replay_models_the_device_plan(replay):
     picks = replay(auto)
     off = {c: (picks[c], us / cases[c][picks[c]]) for c, us in auto.items() if abs(us / cases[c][picks[c]] - 1) > 0.03}
     assert not off, off
+
+
+def test_cluster_groups_picks(replay):
+    # plan_t splits K over cluster groups (choose_groups) at 128-token tiles where the clusters
+    # that would fill the SMs do not fit: the H200 holds 30 clusters of 4, so 4096x14336 at
+    # 129..256 tokens (32 tiles) runs as two clusters of 2 a tile instead of clusters of 3 on 96
+    # SMs (measured 8-10% faster, docs/MMA.md). Not 4096x4096 (measured slower grouped), nor
+    # where clusters fit (3584 columns: 28 tiles), nor wide layers, nor 64-token tiles.
+    cases = [(4096, 14336, m) for m in (129, 200, 256)] + [
+        (4096, 4096, 256), (3584, 18944, 256), (28672, 4096, 256), (6144, 4096, 256), (8192, 28672, 256),
+        (4096, 14336, 64), (4096, 14336, 512)]
+    picks = replay(cases, groups=True)
+    for m in (129, 200, 256):
+        assert picks[(4096, 14336, m)] == (2, 2), (m, picks[(4096, 14336, m)])
+    for c in cases[3:]:
+        assert picks[c][0] == 1, (c, picks[c])

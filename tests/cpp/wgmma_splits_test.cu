@@ -1,8 +1,8 @@
-// CPU replay of the wgmma kernel's cluster split (kbit_wgmma.cuh: tile_m, choose_splits through
-// plan_split, one_per_sm, as plan_t; not the cluster groups that plan_t may add after them,
-// choose_groups, whose picks tests/test_wgmma_gpu.py pins on the device) for K=4, the sweeps' bit width; built and run by
-// tests/test_wgmma_plan.py with nvcc as host code. Reads "n k m" lines on stdin and prints
-// "n k m splits ctas_per_sm" for each (the CTAs per SM the kernel is built for; KBIT_WGMMA_ONE
+// CPU replay of the wgmma kernel's plan (kbit_wgmma.cuh: tile_m, choose_splits through
+// plan_split, one_per_sm, then choose_groups, as plan_t) for K=4, the sweeps' bit width; built
+// and run by tests/test_wgmma_plan.py with nvcc as host code. Reads "n k m" lines on stdin and
+// prints "n k m splits ctas_per_sm groups cluster" for each (the cluster split before groups,
+// then the cluster groups and their CTAs per cluster) (the CTAs per SM the kernel is built for; KBIT_WGMMA_ONE
 // forces one at MT = 64), with the H200's occupancy (cudaOccupancyMaxActiveClusters for
 // s = 1..16, measured on the device for every instantiation, docs/MMA.md): 128-token tiles and
 // the 64-token tile built for one CTA per SM run one 227 KB CTA per SM; the 16..64-token tiles
@@ -42,7 +42,10 @@ int main(int argc, char** argv) {
     if (mt == 64 && one_per_sm(tiles, k_units(k), kH200Sms, occ64, occ128, 0, one_per_sm_deeper<4>(),
                                fits_spread(occ64, tiles * s, kH200Sms), &s, &chunk))
       cps = 1;
-    std::printf("%d %d %d %d %d\n", n, k, m, s, cps);
+    // then, at 128-token tiles, the cluster groups plan_t adds (groups, CTAs per cluster)
+    int c = s, groups = 1;
+    if (mt == 128) groups = choose_groups(tiles, k_units(k), kH200Sms, occ128, cost, s, mt, &c);
+    std::printf("%d %d %d %d %d %d %d\n", n, k, m, s, cps, groups, c);
   }
   return 0;
 }
