@@ -323,7 +323,7 @@ def plot(results, meta, path):
     fig.suptitle(f"kbit GEMM — {meta['gpu']} — {meta['date']} — {meta['commit']} — copy {meta['copy_bw_gbs']:.0f} GB/s"
                  f"\n{meta['command']}", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)  # small: results travel with the tree (e2e.py's plots alike)
 
 
 def summary(results, meta):

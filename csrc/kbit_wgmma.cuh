@@ -871,14 +871,13 @@ inline int plan_split(long long tiles, int ku, int num_sms, const Occupancy& occ
 // twice, docs/MMA.md), once the slice's stores were waited for before the counter moved.
 constexpr int kGroupSliceCost = 40;
 inline int choose_groups(long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost, int s,
-                         int mt, int* c_out) {
-  const int slice_cost = kGroupSliceCost * mt / 128;  // a tile's sum is CN x MT fp32
+                         int* c_out) {
   constexpr int kAlone = 10, kFixed = 3 * kAlone;  // choose_splits' units, one CTA per SM
   const auto cost = [&](int c, int g) -> long long {
     const long long clusters = tiles * g, resident = occ.clusters[c][0] > 0 ? occ.clusters[c][0] : num_sms / c;
     const long long waves = div_up(clusters, resident);
     return waves * (div_up(ku, c * g) * kAlone + kFixed + (c * g > 1 ? split_cost : 0) +
-                    (g > 1 ? slice_cost * (g + 1) / c : 0));
+                    (g > 1 ? kGroupSliceCost * (g + 1) / c : 0));
   };
   long long best = cost(s, 1);
   int best_g = 1;
@@ -1021,7 +1020,7 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
   if (groups_env >= 2) {
     groups = groups_env;
   } else if (groups_env == 0 && splits == 0 && mt == 128) {  // one CTA per SM
-    groups = choose_groups(tiles, p.ku_count, num_sms, occ_split, split_cost, s, mt, &s);
+    groups = choose_groups(tiles, p.ku_count, num_sms, occ_split, split_cost, s, &s);
   }
   // (a forced G: at most what leaves every CTA a K-tile)
   while (groups > 1 && (long long)(s * groups - 1) * div_up(p.ku_count, s * groups) >= p.ku_count) --groups;

@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
       cps = 1;
     // then, at 128-token tiles, the cluster groups plan_t adds (groups, CTAs per cluster)
     int c = s, groups = 1;
-    if (mt == 128) groups = choose_groups(tiles, k_units(k), kH200Sms, occ128, cost, s, mt, &c);
+    if (mt == 128) groups = choose_groups(tiles, k_units(k), kH200Sms, occ128, cost, s, &c);
     std::printf("%d %d %d %d %d %d %d\n", n, k, m, s, cps, groups, c);
   }
   return 0;
