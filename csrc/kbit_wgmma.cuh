@@ -634,6 +634,14 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   };
   const long long tile = (long long)col_group() * gridDim.y + token_tile();
   float4* const sums = p.partial + tile * p.groups * (kElems / 4);  // [group][kElems / 4]
+  const auto finish = [&](int E, const float4 v) {
+    if (p.groups == 1) {
+      store4(E, v);
+    } else {
+      __stcg(sums + group * (kElems / 4) + E / 4, v);
+    }
+  };
+#ifdef KBIT_WG_DEV_SERIAL_REDUCE  // A/B only: the loop before batching (one remote load at a time)
 #pragma unroll 2
   for (int E = e0 + 4 * tid; E < e1; E += 4 * kThreads) {
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -641,12 +649,47 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
       const float4 r = *reinterpret_cast<const float4*>(cluster.map_shared_rank(part, q) + E);
       v.x += r.x; v.y += r.y; v.z += r.z; v.w += r.w;
     }
-    if (p.groups == 1) {
-      store4(E, v);
-    } else {
-      __stcg(sums + group * (kElems / 4) + E / 4, v);
-    }
+    finish(E, v);
   }
+#else
+  // A thread's elements are E = e0 + 4 tid + 4 kThreads j. Every rank's 16-byte load of EB of
+  // them is issued before the first sum (ranks unrolled to RB >= csize, 16 loads in flight):
+  // one at a time, each remote load waited out its latency, and the reduction took 7-9 us of a
+  // 27-36 us call at M = 256 (qkv, o, down; per-CTA globaltimer trace, H200). The sums still
+  // run in rank order (deterministic), as the GEMV's final pass does.
+  const auto reduce_slice = [&](auto rb, auto eb) {
+    constexpr int RB = decltype(rb)::value, EB = decltype(eb)::value;
+    for (int E0 = e0 + 4 * tid; E0 < e1; E0 += 4 * kThreads * EB) {
+      float4 r[EB][RB];
+#pragma unroll
+      for (int b = 0; b < EB; ++b)
+#pragma unroll
+        for (int q = 0; q < RB; ++q)
+          if (q < csize && E0 + 4 * kThreads * b < e1)
+            r[b][q] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(part, q) + E0 + 4 * kThreads * b);
+#pragma unroll
+      for (int b = 0; b < EB; ++b) {
+        if (E0 + 4 * kThreads * b >= e1) break;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int q = 0; q < RB; ++q)
+          if (q < csize) v.x += r[b][q].x, v.y += r[b][q].y, v.z += r[b][q].z, v.w += r[b][q].w;
+        finish(E0 + 4 * kThreads * b, v);
+      }
+    }
+  };
+  using std::integral_constant;
+  static_assert(kMaxSplits <= 16, "the reduction unrolls ranks to 16");
+  if (csize <= 2) {
+    reduce_slice(integral_constant<int, 2>{}, integral_constant<int, 8>{});
+  } else if (csize <= 4) {
+    reduce_slice(integral_constant<int, 4>{}, integral_constant<int, 4>{});
+  } else if (csize <= 8) {
+    reduce_slice(integral_constant<int, 8>{}, integral_constant<int, 2>{});
+  } else {
+    reduce_slice(integral_constant<int, 16>{}, integral_constant<int, 1>{});
+  }
+#endif
   if (p.groups > 1) {
     // Every consumer's part of the slice is stored before thread 0 moves the counter: the CTA
     // barrier, then thread 0's fence, a release that covers what the barrier ordered before it
