@@ -653,11 +653,11 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   }
 #else
   // A thread's elements are E = e0 + 4 tid + 4 kThreads j. Every rank's 16-byte load of EB of
-  // them is issued before the first sum (ranks unrolled to RB >= csize, 16 loads in flight),
-  // as the GEMV's final pass does; one at a time, each remote load waited out its latency. The
-  // epilogue took 7-9 us of a 27-36 us call at M = 256 (qkv, o, down; per-CTA globaltimer trace,
-  // H200); this took 1-1.5 us a layer off (docs/MMA.md, Next). The sums still run in rank order
-  // (deterministic).
+  // them is issued before the first sum (ranks unrolled to RB >= csize: up to 16 loads in
+  // flight), as the GEMV's final pass does for its ranks; one at a time, each remote load
+  // waited out its latency. The epilogue took 7-9 us of a 27-36 us call at M = 256 (qkv, o,
+  // down; per-CTA globaltimer trace, H200); this took 1-1.5 us a layer off (docs/MMA.md, Next).
+  // The sums still run in rank order (deterministic).
   const auto reduce_slice = [&](auto rb, auto eb) {
     constexpr int RB = decltype(rb)::value, EB = decltype(eb)::value;
     for (int E0 = e0 + 4 * tid; E0 < e1; E0 += 4 * kThreads * EB) {
