@@ -615,16 +615,47 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   static_assert(kThreads % 4 == 0, "float4 slices stay inside one register row");
   const int per = div_up(div_up(kElems, csize), 4) * 4;
   const int e0 = rank * per, e1 = min(kElems, e0 + per);
+  // The y store of elements E..E+3: four threads' partials of one register (one column, four
+  // token rows). Every E of this thread has the same E % kThreads (its steps are multiples of
+  // kThreads), so those four threads, and with them each value's column and row offsets, can
+  // be fixed before the loop, leaving only the register index E / kThreads to vary. Per
+  // element, the index arithmetic was most of the sums' phase (4.2 of its 6.1 us at M = 256
+  // with the remote loads and the stores taken out, per-CTA trace). Hoisted at 128-token tiles,
+  // the K=4 8B decode step at M = 256 took 7834 us against 7935 (qkv 35.7 -> 34.5, o 26.6 ->
+  // 25.7; two builds alternated twice in one call, docs/MMA.md). Hoisted at 64-token tiles too,
+  // M = 64 measured 2% slower at K=4, mostly in a layer that does not split (code placement, we
+  // think), so those kernels keep the per-element store and their code as before.
+  // KBIT_WG_DEV_STORE4_PER_ELEMENT builds the per-element store everywhere (A/B).
+#ifndef KBIT_WG_DEV_STORE4_PER_ELEMENT
+  constexpr bool kHoisted = MT == 128;
+#else
+  constexpr bool kHoisted = false;
+#endif
+  int col_u[4] = {}, row_u[4] = {};
+  if constexpr (kHoisted) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int th = (e0 + 4 * tid) % kThreads + u, l_ = th & 31;
+      const int slab_ = R > 1 ? ((th >> 5) & 3) : (th >> 5);
+      col_u[u] = (col_group() * C::kSlabsCta + slab_) * kUnitN + (R > 1 ? 32 * (th >> 7) : 0) + (l_ >> 2);
+      row_u[u] = m0 + 2 * (l_ & 3);
+    }
+  }
   const auto store4 = [&](int E, const float4 v) {
     const float vs[4] = {v.x, v.y, v.z, v.w};
     const int idx = E / kThreads;
     const int r = idx / (MT / 2), i = idx % (MT / 2), e = i & 3, j = i >> 2;
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int th = E % kThreads + u, l_ = th & 31, pr = r + (R > 1 ? 2 * (th >> 7) : 0);
-      const int slab_ = R > 1 ? ((th >> 5) & 3) : (th >> 5);
-      const int col = (col_group() * C::kSlabsCta + slab_) * kUnitN + 16 * pr + 8 * (e >> 1) + (l_ >> 2);
-      const int row = m0 + 8 * j + 2 * (l_ & 3) + (e & 1);
+      int col, row;
+      if constexpr (kHoisted) {
+        col = col_u[u] + 16 * r + 8 * (e >> 1), row = row_u[u] + 8 * j + (e & 1);
+      } else {
+        const int th = E % kThreads + u, l_ = th & 31, pr = r + (R > 1 ? 2 * (th >> 7) : 0);
+        const int slab_ = R > 1 ? ((th >> 5) & 3) : (th >> 5);
+        col = (col_group() * C::kSlabsCta + slab_) * kUnitN + 16 * pr + 8 * (e >> 1) + (l_ >> 2);
+        row = m0 + 8 * j + 2 * (l_ & 3) + (e & 1);
+      }
       if (col < p.n && row < p.m) {
         float o = vs[u];
         if (bias != nullptr) o += to_float(bias[col]);
