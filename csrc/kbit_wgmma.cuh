@@ -620,7 +620,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   // kThreads), so those four threads, and with them each value's column and row offsets, can
   // be fixed before the loop, leaving only the register index E / kThreads to vary. Per
   // element, the index arithmetic was most of the sums' phase (4.2 of its 6.1 us at M = 256
-  // with the remote loads and the stores taken out, per-CTA trace). Hoisted at 128-token tiles,
+  // with own-rank loads only and no stores, per-CTA trace). Hoisted at 128-token tiles,
   // the K=4 8B decode step at M = 256 took 7834 us against 7935 (qkv 35.7 -> 34.5, o 26.6 ->
   // 25.7; two builds alternated twice in one call, docs/MMA.md). Hoisted at 64-token tiles too,
   // M = 64 measured 2% slower at K=4, mostly in a layer that does not split (code placement, we
