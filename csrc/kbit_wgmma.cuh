@@ -1110,9 +1110,8 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
 
 // Workspace of a plan (plan_t's out[]): none without cluster groups; else a counter per tile and
 // cluster rank (256 B steps), then each group's fp32 sum of every tile.
-inline size_t group_counter_bytes(const int* pl) {
-  return pl[9] > 1 ? (size_t(pl[3]) * pl[4] * pl[1] * sizeof(int) + 255) / 256 * 256 : 0;
-}
+inline size_t group_counters(const int* pl) { return pl[9] > 1 ? size_t(pl[3]) * pl[4] * pl[1] : 0; }
+inline size_t group_counter_bytes(const int* pl) { return (group_counters(pl) * sizeof(int) + 255) / 256 * 256; }
 inline size_t workspace_bytes(const int* pl) {
   return pl[9] > 1 ? group_counter_bytes(pl) + size_t(pl[3]) * pl[4] * pl[9] * pl[5] * pl[0] * sizeof(float) : 0;
 }
@@ -1126,7 +1125,7 @@ cudaError_t launch_t2(Params p, int splits, int num_sms, cudaStream_t stream, in
   if (p.groups > 1) {  // the workspace (p.partial): counters, then the clusters' sums (workspace_bytes)
     if (p.partial == nullptr) return cudaErrorInvalidValue;
     const size_t counter_bytes = group_counter_bytes(pl);
-    if (p.counters == nullptr || size_t(pl[3]) * pl[4] * pl[1] > size_t(kWgmmaZeroedCounters)) {
+    if (p.counters == nullptr || group_counters(pl) > size_t(kWgmmaZeroedCounters)) {
       p.counters = reinterpret_cast<int*>(p.partial);
       const cudaError_t e = cudaMemsetAsync(p.counters, 0, counter_bytes, stream);  // graph-capturable
       if (e != cudaSuccess) return e;

@@ -1,9 +1,9 @@
 // CPU replay of the wgmma kernel's plan (kbit_wgmma.cuh: tile_m, choose_splits through
 // plan_split, one_per_sm, then choose_groups, as plan_t) for K=4, the sweeps' bit width; built
 // and run by tests/test_wgmma_plan.py with nvcc as host code. Reads "n k m" lines on stdin and
-// prints "n k m splits ctas_per_sm groups cluster" for each (the cluster split before groups,
-// then the cluster groups and their CTAs per cluster) (the CTAs per SM the kernel is built for; KBIT_WGMMA_ONE
-// forces one at MT = 64), with the H200's occupancy (cudaOccupancyMaxActiveClusters for
+// prints "n k m splits ctas_per_sm groups cluster" for each: the cluster split before groups, the
+// CTAs per SM the kernel is built for (KBIT_WGMMA_ONE forces one at MT = 64), then the cluster
+// groups and their CTAs per cluster; with the H200's occupancy (cudaOccupancyMaxActiveClusters for
 // s = 1..16, measured on the device for every instantiation, docs/MMA.md): 128-token tiles and
 // the 64-token tile built for one CTA per SM run one 227 KB CTA per SM; the 16..64-token tiles
 // built for two, two ~110 KB CTAs per SM packed, or one per SM spread. Optional argv[1]: the
