@@ -42,6 +42,7 @@ struct StreamParams {
   int groups = 1;
   int* counters = nullptr;   // [tile][cluster rank] arrivals: zero before a launch and after it
   float4* partial = nullptr; // [tile][group][tile elements / 4] the clusters' sums
+  bool y_tma = false;        // unsplit calls store y through shared memory and the y tensor map
 };
 
 template <typename T> struct Vec2;

@@ -36,6 +36,9 @@
 //     issues the copies instead and the consumers hand stages back through per-stage "empty"
 //     mbarriers: no CTA barrier in the loop (Cfg::kProducer). K=3,4 use the wide-row pair
 //     table wherever one CTA holds the SM (Cfg::kWideLut; also the forced 512-column CTAs).
+//   * an unsplit call's y leaves through shared memory: stmatrix writes each slab's tile
+//     transposed into the 128 B swizzle and one TMA store a slab writes whole lines (N % 8 == 0;
+//     else element by element). 8% faster on 28672x4096 at M = 256, 5% at M = 64 (docs/MMA.md).
 //   * split-K across a thread-block cluster (<= 16 CTAs along K), reduced through distributed
 //     shared memory in a fixed order: deterministic, no workspace, one launch (graph safe); where
 //     the clusters that would fill the SMs do not fit, over several clusters whose sums meet in
@@ -230,6 +233,30 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
+// Four 8x8 b16 fragments (an mma C fragment's layout: lane l holds row l / 4, columns 2 (l % 4)
+// and + 1 of each) stored transposed: row i of matrix q goes to the 16 bytes at the address lane
+// 8 q + i gives, holding the fragment's column i. So accumulators whose rows are y's columns
+// land as 16-byte runs of y's row, ready for a TMA store; one instruction instead of eight
+// scalar stores, and no index arithmetic per element.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+// TMA: the swizzled box at `src` -> y at (column, row); parts past the tensor map's bounds (rows
+// past M, columns past N) are not written. Completion is tracked per thread (bulk groups).
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t src, int col, int row) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(col), "r"(row), "r"(src)
+               : "memory");
+}
+// The issuing thread's bulk stores have read their shared memory (the CTA may exit: the global
+// writes complete with the grid).
+__device__ __forceinline__ void tma_store_drain() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
 // mbar_wait; probe builds (KBIT_WG_DEV_WATCHDOG) trap after ~2 x 10^7 polls instead of hanging.
 __device__ __forceinline__ void stage_wait(uint32_t bar, uint32_t parity) {
 #ifdef KBIT_WG_DEV_WATCHDOG
@@ -358,7 +385,7 @@ __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint
 
 template <int BITS, int MT, int CN, int R, int CPS, typename T>
 __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
-    wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap xmap) {
+    wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap xmap, const __grid_constant__ CUtensorMap ymap) {
 #if KBIT_WGMMA_DEVICE
   using C = Cfg<BITS, MT, CN, R, CPS>;
   constexpr int kThreads = C::kConsumers, kSets = C::kSets;  // threads that hold accumulators
@@ -580,6 +607,51 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
   if (splits == 1) {
+    if (p.y_tma) {
+      // Through shared memory: each slab's [MT tokens][64 columns] tile in the 128 B swizzle
+      // (16-byte chunk c of token row t at chunk c ^ (t % 8): the eight rows of one stmatrix
+      // fragment hit eight different bank groups), then one TMA store per slab writes whole
+      // lines, clipped at M and N by the tensor map. Per element, the scalar store below
+      // recomputes its column and row and writes 2 bytes; its phase took 6.0 us of each
+      // 28672x4096 CTA at M = 256 (2.6 at M = 64) after a 51 us main loop (per-CTA trace).
+      constexpr int kBox = MT * 128;
+      static_assert(C::kSlabsCta * kBox <= (C::kWideLut ? C::kWideUsable : C::kBarOff),
+                    "the y tiles fit below the mbarriers");
+      named_sync(1, kThreads);  // every consumer is done with the pipeline's shared memory
+      const uint32_t box = base + slab * kBox;
+      const int q = lane >> 3, i8 = lane & 7;  // this lane addresses row i8 of fragment q
+#pragma unroll
+      for (int r = 0; r < kSets; ++r) {
+        const int pr = pr0 + r, c0 = nu * kUnitN + 16 * pr;  // columns c0 + 8 h + g, h = 0, 1
+        float bv[2] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (bias != nullptr && c0 + 8 * h + g < p.n) bv[h] = to_float(bias[c0 + 8 * h + g]);
+        // fragment q = (h = q & 1, token group j = 2 jj + (q >> 1)); chunk 2 pr + h of its rows
+        const uint32_t row_addr = box + (8 * (q >> 1) + i8) * 128 + (((2 * pr + (q & 1)) ^ i8) << 4);
+#pragma unroll
+        for (int jj = 0; jj < MT / 16; ++jj) {
+          uint32_t v[4];
+#pragma unroll
+          for (int f = 0; f < 4; ++f) {
+            const int h = f & 1, i = 4 * (2 * jj + (f >> 1)) + 2 * h;
+            v[f] = pack2<T>(acc[r][i] + bv[h], acc[r][i + 1] + bv[h]);
+          }
+          stmatrix_x4_trans(row_addr + jj * 16 * 128, v[0], v[1], v[2], v[3]);
+        }
+      }
+      fence_proxy_async();  // the generic-proxy writes before the TMA unit reads them
+      named_sync(1, kThreads);
+      if (tid == 0) {
+#pragma unroll
+        for (int sl = 0; sl < C::kSlabsCta; ++sl) {
+          const int c = (col_group() * C::kSlabsCta + sl) * kUnitN;
+          if (c < p.n) tma_store_2d(&ymap, base + sl * kBox, c, m0);
+        }
+        tma_store_drain();
+      }
+      return;
+    }
 #pragma unroll
     for (int r = 0; r < kSets; ++r)
 #pragma unroll
@@ -810,7 +882,7 @@ template <int BITS, int MT, int CN, int R, int CPS, typename T> const Occupancy&
 // x [M][K] as a TMA tensor map: boxes of 64 k (one 128 B swizzle row) x `mt` rows, zeros out of
 // bounds. Encoded per call on the host (a CUDA graph keeps the captured copy, as it keeps x's
 // address); the encoder comes from the driver through the runtime, so nothing links libcuda.
-template <typename T> cudaError_t make_x_map(const Params& p, int mt, CUtensorMap* map) {
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   using Encode = PFN_cuTensorMapEncodeTiled_v12000;
   static const Encode encode = [] {
     void* fn = nullptr;
@@ -820,6 +892,10 @@ template <typename T> cudaError_t make_x_map(const Params& p, int mt, CUtensorMa
       fn = nullptr;
     return reinterpret_cast<Encode>(fn);
   }();
+  return encode;
+}
+template <typename T> cudaError_t make_x_map(const Params& p, int mt, CUtensorMap* map) {
+  const auto encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t dims[2] = {cuuint64_t(p.k), cuuint64_t(p.m)};
   const cuuint64_t strides[1] = {cuuint64_t(p.k) * sizeof(T)};  // K % 32 == 0: a 64 B multiple
@@ -831,13 +907,29 @@ template <typename T> cudaError_t make_x_map(const Params& p, int mt, CUtensorMa
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// y [M][N] as a TMA tensor map for the unsplit epilogue's stores: boxes of 64 columns (one slab,
+// one 128 B swizzle row) x `mt` rows. Only where its row stride is a 16 B multiple and y 16 B
+// aligned (N % 8 == 0: every layer of the models we serve); elsewhere the scalar store runs.
+template <typename T> bool make_y_map(const Params& p, int mt, CUtensorMap* map) {
+  if (p.n % 8 != 0 || reinterpret_cast<uintptr_t>(p.y) % 16 != 0) return false;
+  const cuuint64_t dims[2] = {cuuint64_t(p.n), cuuint64_t(p.m)};
+  const cuuint64_t strides[1] = {cuuint64_t(p.n) * sizeof(T)};
+  const cuuint32_t box[2] = {cuuint32_t(kUnitN), cuuint32_t(mt)};
+  const cuuint32_t unit_stride[2] = {1, 1};
+  return tensor_map_encoder()(map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                              2, p.y, dims, strides, box, unit_stride, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 // Launch one instantiation with `splits` CTAs along K: p.groups clusters of splits / p.groups
 // (1..kMaxSplits) CTAs; `spread`: with spread_bytes of shared memory, so that no SM takes two.
 template <int BITS, int MT, int CN, int R, int CPS, typename T>
-cudaError_t launch_t(const Params& p, int splits, bool spread, cudaStream_t stream) {
-  alignas(64) CUtensorMap xmap;
+cudaError_t launch_t(Params p, int splits, bool spread, cudaStream_t stream) {
+  alignas(64) CUtensorMap xmap, ymap = {};
   const cudaError_t e = make_x_map<T>(p, MT, &xmap);
   if (e != cudaSuccess) return e;
+  p.y_tma = splits == 1 && env_int("KBIT_WGMMA_Y_TMA", 1) != 0 && make_y_map<T>(p, MT, &ymap);
   using C = Cfg<BITS, MT, CN, R, CPS>;
   const auto kernel = wgmma_kernel<BITS, MT, CN, R, CPS, T>;
   const Occupancy& occ = occupancy<BITS, MT, CN, R, CPS, T>();  // and the shared-memory opt-in (once)
@@ -856,7 +948,7 @@ cudaError_t launch_t(const Params& p, int splits, bool spread, cudaStream_t stre
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.pdl ? 2 : 1;
-  return cudaLaunchKernelEx(&cfg, kernel, p, xmap);
+  return cudaLaunchKernelEx(&cfg, kernel, p, xmap, ymap);
 }
 
 // Split-K factor from the shape and the occupancy: the fewest waves x CTA time, a CTA's time
@@ -972,7 +1064,8 @@ inline int choose_groups(long long tiles, int ku, int num_sms, const Occupancy& 
 // KBIT_WGMMA_SPREAD = 0 (never launch spread), KBIT_WGMMA_ROWSPLIT = 1 | 2 (at MT = 32) and
 // KBIT_WGMMA_MAX_SPLITS = 1..16 (the largest cluster choose_splits considers),
 // KBIT_WGMMA_SPLIT_COST = 0.. (choose_splits' reduction cost at MT = 128; 0 = the plan before it),
-// KBIT_WGMMA_GROUPS = 1 | G (choose_groups).
+// KBIT_WGMMA_GROUPS = 1 | G (choose_groups), KBIT_WGMMA_Y_TMA = 0 (unsplit calls store y
+// element by element instead of through shared memory and TMA; A/B and the tests).
 inline int tile_m(int m) {
   const int t = env_int("KBIT_WGMMA_TILE_M", 0);
   if (t == 16 || t == 32 || t == 64 || t == 128) return t;

@@ -6,7 +6,7 @@
 Covers the token tiles (16, 32, 64, 128), one and two warpgroups per CTA (row split), the
 producer warpgroup and the wide pair table (tile 128, and tile 64 built for one CTA per SM),
 split-K clusters (forced 1, 2, 3, 8, 16 and the plan's) and cluster groups meeting in the global
-workspace, the M / N / K tails (rows past M, slabs
+workspace, unsplit y stores through shared memory and TMA (N % 8 == 0) or per element, the M / N / K tails (rows past M, slabs
 past N, K % 64 == 32), bias, fp16 and bf16, K = 2..5.
 Shapes are tiny so the tools finish in seconds. Exits non-zero if a result is off (the
 sanitizer reports its own errors). Exits 0 with a note where the wgmma path is unavailable.
@@ -36,6 +36,11 @@ CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)[, KBIT_WGMMA_ONE
     (200, 520, 2048, 4, torch.float16, True, 2, "-1", "2"),   # tile 128: two clusters of 2 through the workspace
     (48, 300, 4128, 3, torch.bfloat16, False, 1, "-1", "3"),  # tile 64 one per SM: three clusters of 1
     (48, 300, 4128, 4, torch.float16, True, 2, "0", "2"),     # tile 64, two per SM (no producer): two clusters of 2
+    # unsplit, N % 8 == 0: y through stmatrix into shared memory, then TMA stores
+    (100, 264, 1056, 4, torch.bfloat16, True, 1),     # tile 128 (producer), rows past M, a partial slab
+    (13, 200, 1024, 2, torch.float16, True, 1),       # tile 16, one warpgroup
+    (64, 264, 2048, 3, torch.float16, False, 1, "1"),  # tile 64 one per SM
+    (40, 264, 2048, 5, torch.bfloat16, True, 1, "0"),  # tile 64 two per SM (no producer)
 ]
 
 

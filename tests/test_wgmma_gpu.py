@@ -69,6 +69,21 @@ def test_subnormal_scales(dtype):
     check(48, 1000, 2080, 4, dtype, tiny=True, x_scale=256.0)
 
 
+@pytest.mark.parametrize("m", [17, 64, 200])
+def test_y_store_paths(m, monkeypatch):
+    # Unsplit calls store y through shared memory (stmatrix) and a TMA store where N % 8 == 0,
+    # clipped at M and N by the tensor map (N = 1000 and 4104 end in partial slabs), and
+    # element by element otherwise (N = 1004); KBIT_WGMMA_Y_TMA=0 forces the element stores.
+    # The two must agree bitwise: same sums, same rounding, every element in its place.
+    for n, bits, dtype in ((1000, 4, torch.float16), (4104, 3, torch.bfloat16), (1004, 5, torch.float16)):
+        outs, (packed, absmax, cb, b) = check(m, n, 4128, bits, dtype, bias=True, splits=1)
+        monkeypatch.setenv("KBIT_WGMMA_Y_TMA", "0")
+        for x, y in outs:
+            y_scalar = gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, n, 4128, b, 1)
+            assert torch.equal(y, y_scalar), f"m={m} n={n} bits={bits} {dtype}: the two y stores differ"
+        monkeypatch.delenv("KBIT_WGMMA_Y_TMA")
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3, 8, 13])
 @pytest.mark.parametrize("m", [24, 64, 100])
 def test_forced_splits(splits, m):
