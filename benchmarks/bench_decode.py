@@ -10,6 +10,7 @@ vLLM is importable.
   python3 benchmarks/bench_decode.py --kbit-paths gemv:1,gemv:2,wgmma:0 --no-baselines   # forced path:splits
   python3 benchmarks/bench_decode.py --between   # an elementwise kernel writes x before each GEMM
   python3 benchmarks/bench_decode.py --model qwen2.5-7b   # another model's layer shapes
+  python3 benchmarks/bench_decode.py --model llama3-70b --layers 16 --no-baselines   # fewer layers: 70B's fit one GPU
 
 Reports µs per step, GB/s of the weights read (and % of the copy bandwidth measured in the same
 run); --per-shape also replays the model's layers of one shape at a time (µs per kernel).
@@ -34,6 +35,8 @@ MODELS = {
     "qwen2.5-7b": (28, {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}),
     "gemma2-9b": (42, {"qkv": (8192, 3584), "o": (3584, 4096), "gate_up": (28672, 3584), "down": (3584, 14336)}),
     "phi3-mini": (32, {"qkv": (9216, 3072), "o": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192)}),
+    # one GPU's worth only with --layers (80 layers of fp16 baselines are 137 GB)
+    "llama3-70b": (80, {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}),
 }
 
 
@@ -87,9 +90,11 @@ def main():
                          "activation do (a predecessor that writes x and knows nothing of PDL); the time of those "
                          "kernels alone is reported as method 'between'")
     ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
+    ap.add_argument("--layers", type=int, default=0, help="layers in the graph (default: the model's)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     n_layers, shapes = MODELS[args.model]
+    n_layers = args.layers or n_layers
     ks = sorted({k for _, k in shapes.values()})
     from vllm_kbit import ops
     assert ops.HAS_CUDA_KERNELS, "vllm_kbit._C is not built"
