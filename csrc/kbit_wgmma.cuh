@@ -187,8 +187,9 @@ __device__ __forceinline__ uint4 lds_v4(uint32_t addr) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
   return r;
 }
-// Orders this thread's earlier generic-proxy accesses of shared memory (the LDS of W words in
-// the stage) before later async-proxy ones (the TMA / bulk writes that refill the stage).
+// Orders this thread's earlier generic-proxy accesses of shared memory before later async-proxy
+// ones: the LDS of W words in a stage before the TMA / bulk writes that refill it, and the
+// unsplit epilogue's stmatrix writes of y before the TMA store that reads them.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Shared-memory matrix descriptor of a K-major tile with 128-byte rows in the 128 B swizzle:
@@ -431,6 +432,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
       for (int s = 0; s < C::kStages; ++s) mbar_init(empty0 + 8 * s, kThreads);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
+    if (p.y_tma) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&ymap)) : "memory");
   }
   wait_prior_grids();  // programmatic dependent launch (kbit_common.cuh): x may be the previous kernel's output
 
@@ -617,16 +619,22 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
       constexpr int kBox = MT * 128;
       static_assert(C::kSlabsCta * kBox <= (C::kWideLut ? C::kWideUsable : C::kBarOff),
                     "the y tiles fit below the mbarriers");
+      // this thread's columns nu * 64 + 16 pr + 8 h + g (h = 0, 1): their bias, loaded before the
+      // barrier (after it, each stmatrix's memory clobber would serialise the loads)
+      float bv[kSets][2];
+#pragma unroll
+      for (int r = 0; r < kSets; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int col = nu * kUnitN + 16 * (pr0 + r) + 8 * h + g;
+          bv[r][h] = bias != nullptr && col < p.n ? to_float(bias[col]) : 0.f;
+        }
       named_sync(1, kThreads);  // every consumer is done with the pipeline's shared memory
       const uint32_t box = base + slab * kBox;
       const int q = lane >> 3, i8 = lane & 7;  // this lane addresses row i8 of fragment q
 #pragma unroll
       for (int r = 0; r < kSets; ++r) {
-        const int pr = pr0 + r, c0 = nu * kUnitN + 16 * pr;  // columns c0 + 8 h + g, h = 0, 1
-        float bv[2] = {0.f, 0.f};
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          if (bias != nullptr && c0 + 8 * h + g < p.n) bv[h] = to_float(bias[c0 + 8 * h + g]);
+        const int pr = pr0 + r;
         // fragment q = (h = q & 1, token group j = 2 jj + (q >> 1)); chunk 2 pr + h of its rows
         const uint32_t row_addr = box + (8 * (q >> 1) + i8) * 128 + (((2 * pr + (q & 1)) ^ i8) << 4);
 #pragma unroll
@@ -635,7 +643,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
 #pragma unroll
           for (int f = 0; f < 4; ++f) {
             const int h = f & 1, i = 4 * (2 * jj + (f >> 1)) + 2 * h;
-            v[f] = pack2<T>(acc[r][i] + bv[h], acc[r][i + 1] + bv[h]);
+            v[f] = pack2<T>(acc[r][i] + bv[r][h], acc[r][i + 1] + bv[r][h]);
           }
           stmatrix_x4_trans(row_addr + jj * 16 * 128, v[0], v[1], v[2], v[3]);
         }
@@ -910,13 +918,15 @@ template <typename T> cudaError_t make_x_map(const Params& p, int mt, CUtensorMa
 // y [M][N] as a TMA tensor map for the unsplit epilogue's stores: boxes of 64 columns (one slab,
 // one 128 B swizzle row) x `mt` rows. Only where its row stride is a 16 B multiple and y 16 B
 // aligned (N % 8 == 0: every layer of the models we serve); elsewhere the scalar store runs.
+inline bool y_map_eligible(const Params& p) { return p.n % 8 == 0 && reinterpret_cast<uintptr_t>(p.y) % 16 == 0; }
 template <typename T> bool make_y_map(const Params& p, int mt, CUtensorMap* map) {
-  if (p.n % 8 != 0 || reinterpret_cast<uintptr_t>(p.y) % 16 != 0) return false;
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
   const cuuint64_t dims[2] = {cuuint64_t(p.n), cuuint64_t(p.m)};
   const cuuint64_t strides[1] = {cuuint64_t(p.n) * sizeof(T)};
   const cuuint32_t box[2] = {cuuint32_t(kUnitN), cuuint32_t(mt)};
   const cuuint32_t unit_stride[2] = {1, 1};
-  return tensor_map_encoder()(map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+  return encode(map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                               2, p.y, dims, strides, box, unit_stride, CU_TENSOR_MAP_INTERLEAVE_NONE,
                               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
@@ -929,7 +939,9 @@ cudaError_t launch_t(Params p, int splits, bool spread, cudaStream_t stream) {
   alignas(64) CUtensorMap xmap, ymap = {};
   const cudaError_t e = make_x_map<T>(p, MT, &xmap);
   if (e != cudaSuccess) return e;
-  p.y_tma = splits == 1 && env_int("KBIT_WGMMA_Y_TMA", 1) != 0 && make_y_map<T>(p, MT, &ymap);
+  // an eligible call whose map does not encode is an error, so the TMA store never goes quietly
+  p.y_tma = splits == 1 && env_int("KBIT_WGMMA_Y_TMA", 1) != 0 && y_map_eligible(p);
+  if (p.y_tma && !make_y_map<T>(p, MT, &ymap)) return cudaErrorInvalidValue;
   using C = Cfg<BITS, MT, CN, R, CPS>;
   const auto kernel = wgmma_kernel<BITS, MT, CN, R, CPS, T>;
   const Occupancy& occ = occupancy<BITS, MT, CN, R, CPS, T>();  // and the shared-memory opt-in (once)

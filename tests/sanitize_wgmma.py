@@ -23,9 +23,9 @@ CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)[, KBIT_WGMMA_ONE
     (17, 200, 96, 3, torch.float16, True, 0),         # tile 32 (two warpgroups), slabs past N, K % 64 == 32
     (16, 130, 4128, 4, torch.bfloat16, False, 3),     # tile 16, 3-CTA cluster, uneven chunks
     (64, 64, 2048, 2, torch.float16, True, 8),        # tile 64, 8-CTA cluster, one slab
-    (100, 300, 1056, 5, torch.bfloat16, True, 1),     # two token tiles, rows past M
+    (100, 300, 1056, 5, torch.bfloat16, True, 1),     # one 128-token tile, rows past M (N % 8 != 0: element stores)
     (40, 520, 1024, 4, torch.float16, False, 0),
-    (24, 200, 8192, 3, torch.float16, True, 1),       # tile 32, one warpgroup (128 K-tiles per CTA)
+    (24, 200, 8192, 3, torch.float16, True, 1),       # tile 32, one warpgroup (128 K-tiles per CTA), TMA y store
     (100, 300, 4128, 4, torch.float16, True, 3),      # tile 128: producer warpgroup + wide table, 3-CTA cluster
     (130, 520, 2048, 3, torch.bfloat16, False, 0),    # two 128-token tiles, wide table, the plan's split
     (72, 200, 1024, 2, torch.float16, True, 2),       # tile 128 at K=2: producer, replicated table
