@@ -887,9 +887,7 @@ template <int BITS, int MT, int CN, int R, int CPS, typename T> const Occupancy&
   return occ;
 }
 
-// x [M][K] as a TMA tensor map: boxes of 64 k (one 128 B swizzle row) x `mt` rows, zeros out of
-// bounds. Encoded per call on the host (a CUDA graph keeps the captured copy, as it keeps x's
-// address); the encoder comes from the driver through the runtime, so nothing links libcuda.
+// The driver's tensor-map encoder, fetched through the runtime once, so nothing links libcuda.
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   using Encode = PFN_cuTensorMapEncodeTiled_v12000;
   static const Encode encode = [] {
@@ -902,6 +900,9 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   }();
   return encode;
 }
+// x [M][K] as a TMA tensor map: boxes of 64 k (one 128 B swizzle row) x `mt` rows, zeros out of
+// bounds. Encoded per call on the host (a CUDA graph keeps the captured copy, as it keeps x's
+// address).
 template <typename T> cudaError_t make_x_map(const Params& p, int mt, CUtensorMap* map) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
