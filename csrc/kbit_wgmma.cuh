@@ -900,37 +900,35 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   }();
   return encode;
 }
-// x [M][K] as a TMA tensor map: boxes of 64 k (one 128 B swizzle row) x `mt` rows, zeros out of
-// bounds. Encoded per call on the host (a CUDA graph keeps the captured copy, as it keeps x's
-// address).
-template <typename T> cudaError_t make_x_map(const Params& p, int mt, CUtensorMap* map) {
+// A row-major [rows][cols] tensor of T at `ptr` as a 2-D TMA map: boxes of `box_cols` (one
+// 128 B swizzle row) x `box_rows`, zeros out of bounds on loads, clipped on stores. The row
+// stride must be a 16 B multiple (callers check). Encoded per call on the host: a CUDA graph
+// keeps the captured copy, as it keeps the pointer.
+template <typename T>
+cudaError_t encode_tile_map(const void* ptr, int rows, int cols, int box_rows, int box_cols,
+                            CUtensorMapL2promotion promotion, CUtensorMap* map) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[2] = {cuuint64_t(p.k), cuuint64_t(p.m)};
-  const cuuint64_t strides[1] = {cuuint64_t(p.k) * sizeof(T)};  // K % 32 == 0: a 64 B multiple
-  const cuuint32_t box[2] = {cuuint32_t(kUnitK), cuuint32_t(mt)};
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(cols) * sizeof(T)};
+  const cuuint32_t box[2] = {cuuint32_t(box_cols), cuuint32_t(box_rows)};
   const cuuint32_t unit_stride[2] = {1, 1};
   const CUresult r = encode(map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                            2, const_cast<void*>(p.x), dims, strides, box, unit_stride, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                            2, const_cast<void*>(ptr), dims, strides, box, unit_stride, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
+// x [M][K]: boxes of 64 k x `mt` tokens (K % 32 == 0 makes the row stride a 64 B multiple).
+template <typename T> cudaError_t make_x_map(const Params& p, int mt, CUtensorMap* map) {
+  return encode_tile_map<T>(p.x, p.m, p.k, mt, kUnitK, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, map);
+}
 
-// y [M][N] as a TMA tensor map for the unsplit epilogue's stores: boxes of 64 columns (one slab,
-// one 128 B swizzle row) x `mt` rows. Only where its row stride is a 16 B multiple and y 16 B
-// aligned (N % 8 == 0: every layer of the models we serve); elsewhere the scalar store runs.
+// y [M][N] for the unsplit epilogue's stores: boxes of 64 columns (one slab) x `mt` tokens. Only
+// where its row stride is a 16 B multiple and y 16 B aligned (N % 8 == 0: every layer of the
+// models we serve); elsewhere the scalar store runs.
 inline bool y_map_eligible(const Params& p) { return p.n % 8 == 0 && reinterpret_cast<uintptr_t>(p.y) % 16 == 0; }
-template <typename T> bool make_y_map(const Params& p, int mt, CUtensorMap* map) {
-  const auto encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {cuuint64_t(p.n), cuuint64_t(p.m)};
-  const cuuint64_t strides[1] = {cuuint64_t(p.n) * sizeof(T)};
-  const cuuint32_t box[2] = {cuuint32_t(kUnitN), cuuint32_t(mt)};
-  const cuuint32_t unit_stride[2] = {1, 1};
-  return encode(map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                              2, p.y, dims, strides, box, unit_stride, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+template <typename T> cudaError_t make_y_map(const Params& p, int mt, CUtensorMap* map) {
+  return encode_tile_map<T>(p.y, p.m, p.n, mt, kUnitN, CU_TENSOR_MAP_L2_PROMOTION_NONE, map);
 }
 
 // Launch one instantiation with `splits` CTAs along K: p.groups clusters of splits / p.groups
@@ -942,7 +940,10 @@ cudaError_t launch_t(Params p, int splits, bool spread, cudaStream_t stream) {
   if (e != cudaSuccess) return e;
   // an eligible call whose map does not encode is an error, so the TMA store never goes quietly
   p.y_tma = splits == 1 && env_int("KBIT_WGMMA_Y_TMA", 1) != 0 && y_map_eligible(p);
-  if (p.y_tma && !make_y_map<T>(p, MT, &ymap)) return cudaErrorInvalidValue;
+  if (p.y_tma) {
+    const cudaError_t ey = make_y_map<T>(p, MT, &ymap);
+    if (ey != cudaSuccess) return ey;
+  }
   using C = Cfg<BITS, MT, CN, R, CPS>;
   const auto kernel = wgmma_kernel<BITS, MT, CN, R, CPS, T>;
   const Occupancy& occ = occupancy<BITS, MT, CN, R, CPS, T>();  // and the shared-memory opt-in (once)
