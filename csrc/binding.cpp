@@ -218,11 +218,13 @@ int64_t dequant_chunk_bytes() {
 // Large-M fallback: dequantize row chunks of W into a bounded scratch and multiply with cuBLAS.
 void gemm_dequant(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
                   int64_t bits, const GemmArgs& a, const at::Tensor* bias, at::Tensor& y) {
-  // As few chunks as the budget allows, of equal size (in 64-row steps): short chunks are cuBLAS
-  // calls with few output tiles. 8192x28672 (70B's down, 470 MB in bf16) ran as 4672 + 3520 rows;
-  // as 2 x 4096, 868 -> 812 us at M = 1024 and 1677 -> 1611 at 2048 (L2 flushed), the 70B step's
-  // down 1805 -> 1671 us at M = 2048; 57344x8192 (4 x 14336 instead of 3 x 16384 + 8192) within
-  // the run's spread (H200, alternated twice in one call, bench_dequant_chunks_ab_6dc9c16.json).
+  // As few chunks as the budget allows, of equal size up to 64-row rounding (the last takes the
+  // rest). Uneven chunks measured slower: 8192x28672 (70B's down, 470 MB in bf16) ran as 4672 +
+  // 3520 rows; as 2 x 4096, 868 -> 812 us at M = 1024 and 1677 -> 1611 at 2048 (L2 flushed), the
+  // 70B step's down 1805 -> 1671 us at M = 2048; 57344x8192 (4 x 14336 instead of 3 x 16384 +
+  // 8192) within the run's spread (H200, alternated twice in one call,
+  // bench_dequant_chunks_ab_6dc9c16.json). The cause is not isolated: fewer output tiles per
+  // cuBLAS call, or row counts that are not multiples of 128.
   const int64_t budget = dequant_chunk_bytes();
   const int64_t max_rows = std::max<int64_t>(kUnit, budget / (a.k * int64_t(x.element_size())) / kUnit * kUnit);
   const int64_t chunks = (a.n + max_rows - 1) / max_rows;

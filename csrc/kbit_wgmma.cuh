@@ -900,10 +900,11 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   }();
   return encode;
 }
-// A row-major [rows][cols] tensor of T at `ptr` as a 2-D TMA map: boxes of `box_cols` (one
-// 128 B swizzle row) x `box_rows`, zeros out of bounds on loads, clipped on stores. The row
-// stride must be a 16 B multiple (callers check). Encoded per call on the host: a CUDA graph
-// keeps the captured copy, as it keeps the pointer.
+// A row-major [rows][cols] tensor of T at `ptr` as a 2-D TMA map: boxes of `box_cols` x
+// `box_rows` in the 128 B swizzle (so box_cols * sizeof(T) must be 128 B, one swizzle row), zeros
+// out of bounds on loads, clipped on stores. `ptr` must be 16 B aligned and the row stride a 16 B
+// multiple (callers check). Encoded per call on the host: a CUDA graph keeps the captured copy,
+// as it keeps the pointer.
 template <typename T>
 cudaError_t encode_tile_map(const void* ptr, int rows, int cols, int box_rows, int box_cols,
                             CUtensorMapL2promotion promotion, CUtensorMap* map) {
