@@ -6,8 +6,8 @@
 Covers the token tiles (16, 32, 64, 128), one and two warpgroups per CTA (row split), the
 producer warpgroup and the wide pair table (tile 128, and tile 64 built for one CTA per SM),
 split-K clusters (forced 1, 2, 3, 8, 16 and the plan's) and cluster groups meeting in the global
-workspace, unsplit y stores through shared memory and TMA (N % 8 == 0) or per element, the M / N / K tails (rows past M, slabs
-past N, K % 64 == 32), bias, fp16 and bf16, K = 2..5.
+workspace, unsplit y stores through shared memory and TMA (N % 8 == 0) or per element, the
+M / N / K tails (rows past M, slabs past N, K % 64 == 32), bias, fp16 and bf16, K = 2..5.
 Shapes are tiny so the tools finish in seconds. Exits non-zero if a result is off (the
 sanitizer reports its own errors). Exits 0 with a note where the wgmma path is unavailable.
 """
