@@ -161,14 +161,24 @@ size_t mma_workspace_bytes(int m, int n, int k, int bits, int num_sms);
 // costliest decode) loses by 4-16% at every M from 640, so it leaves wgmma above 512 rows.
 // Elsewhere the dequantize path wins at 768 (6 token tiles: 5.1 waves of 28672x4096's 672 CTAs,
 // 1.1 of qkv's 144 on 132 SMs, an 8B-shape artifact) and by <= 1.1% at K=3 M = 640 / 1000, so
-// K=2..4 keep wgmma up to 1023 rows.
+// K=2..4 kept wgmma up to 1023 rows.
+// With 256-token tiles (kbit_wgmma.cuh, choose_tall: half the decode per MMA) the wgmma kernel
+// wins further up (bench_decode.py --kbit-paths wgmma:0,dequant:0 --no-baselines, H200, 0dd8999 +
+// the tall tiles, two calls; step us, wgmma / dequantize + cuBLAS, cuBLAS fp16 in the same call):
+//         M = 1024        2048           3072           4096           8192
+//   K=2   22788 / 28443  44494 / 50496  67322 / 71896  91449 / 93233  195389 / 180943
+//   K=3   23627 / 29151  45834 / 51096  69968 / 72766  94327 / 94830  196104 / 182881
+//   K=4   24016 / 29249  46720 / 51400  71151 / 72794  95902 / 95135  198028 / 183309
+//   cuBLAS 22372         44694                         88805          176184
+// (at 8192 x no longer fits the L2 beside the tiles). K=5: M = 640 21039 / 20771, 768 23167 /
+// 23452, 896 26301 / 28089, 1024 27297 / 29722, 1536 43479 / 40311, 2048 53807 / 51726. So
+// wgmma up to 4096 rows at K = 2, 3, 3072 at K=4 (the last measured wins), 1024 at K=5 (1.3%
+// slower than dequantize + cuBLAS at 640, 1-8% faster at 768..1024).
 // wgmma_supported(): this build has sm_90a code and the current device is compute 9.0.
 // `splits` = 0 picks the split-K factor (a thread-block cluster along K, no workspace);
 // 1..16 forces it (9..16: non-portable cluster sizes). Returns cudaErrorNotSupported where
 // wgmma_supported() is false.
-constexpr int kWgmmaMaxM = 1023;
-constexpr int kWgmmaMaxMK5 = 512;
-inline int wgmma_max_m(int bits) { return bits == 5 ? kWgmmaMaxMK5 : kWgmmaMaxM; }
+inline int wgmma_max_m(int bits) { return bits == 5 ? 1024 : bits == 4 ? 3072 : 4096; }
 // The GEMV's one-n8-tile limit: above it x takes two n8 tiles (kbit_gemv.cuh).
 constexpr int kGemvOneTileM = 8;
 bool wgmma_supported();

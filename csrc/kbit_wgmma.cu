@@ -53,7 +53,7 @@ cudaError_t launch_wgmma(DType dtype, const void* x, const uint32_t* packed, con
   p.ku_count = k_units(k);
   p.chunk = p.ku_count;
   p.pdl = use_pdl();
-  p.trigger = false;  // never timed on its own at 16 < M <= 1023 (pdl_trigger, kbit_ops.h)
+  p.trigger = false;  // never timed on its own above the GEMV's M (pdl_trigger, kbit_ops.h)
   p.partial = static_cast<float4*>(workspace);
   p.counters = zeroed_counters;
   if (misaligned(workspace)) return cudaErrorInvalidValue;

@@ -5,7 +5,7 @@
 // Why this shape (Machete's transposition, seed 002): compute Y^T = W X^T with the
 // dequantized W as wgmma's register-sourced A operand and x^T as the shared-memory B operand.
 // Then the weights never round-trip through shared memory after decode, the tokens are the
-// wgmma N dimension (16..128 per CTA; M from 17 to 1023 is served here), and the instruction is
+// wgmma N dimension (16..256 per CTA; M from 17 to wgmma_max_m is served here), and the instruction is
 // asynchronous: the tensor cores multiply one 32-block while the warps decode the next.
 //   * a warpgroup (4 warps): warp w owns the 64-column slab w of the CTA's slabs, i.e.
 //     exactly the lane-local fragments of kbit_layout.cuh (no data crosses lanes or warps).
@@ -16,7 +16,9 @@
 //     CTA = one warpgroup (256 columns); or two sharing one x tile (512 columns, half the x
 //     traffic per weight; only when forced since the TMA loads, plan_t); or two that split each
 //     unit's row tiles between them (row split R = 2: at MT = 128 so that the accumulators fit,
-//     at MT = 64 and short-K MT = 32 for 16 warps per SM, plan_t).
+//     at MT = 64 and short-K MT = 32 for 16 warps per SM, plan_t). At MT = 256 (the tall CTA,
+//     Cfg::kTall, from ~450 rows where choose_tall takes it) 128 columns: each warp multiplies
+//     one row tile of its plane words at n = 256, so each weight is decoded once per 256 tokens.
 //   * per 32-block: decode (kbit_decode.cuh: the GEMV's pair tables, codebook pre-multiplied
 //     by the E4M4 constant, then one HMUL2 by the block's scale) -> 8 wgmma (4 row tiles x
 //     2 k16 steps) into two alternating A buffers: block b+1 decodes while block b multiplies
@@ -100,10 +102,18 @@ constexpr int default_cps(int mt, int cn, int rs) { return (rs == 1 && cn == 256
 // for: its registers, shared memory, and whether a producer warpgroup and the wide table come
 // with it; one_per_sm picks between 2 and 1 at MT = 64).
 template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
-  static_assert(MT == 16 || MT == 32 || MT == 64 || MT == 128, "wgmma N (tokens per CTA): 16, 32, 64 or 128");
-  static_assert(CN == 256 || (CN == 512 && MT <= 64), "256 columns, or 512 (two warpgroups) up to 64 tokens");
+  static_assert(MT == 16 || MT == 32 || MT == 64 || MT == 128 || MT == 256,
+                "wgmma N (tokens per CTA): 16, 32, 64, 128 or 256");
+  static_assert(CN == 256 || (CN == 512 && MT <= 64) || (CN == 128 && MT == 256),
+                "256 columns, 512 (two warpgroups) up to 64 tokens, or 128 at 256 tokens");
   static_assert(R == 1 || R == 2, "row split: 1 or 2 warpgroups per slab set");
-  static_assert(R == 1 || CN == 256, "a row split shares the four slabs of a 256-column CTA");
+  static_assert(R == 1 || CN == 256 || CN == 128, "a row split shares the slabs of a 256- or 128-column CTA");
+  // The tall CTA (MT = 256): 128 columns x 256 tokens, two consumer warpgroups of one m64n256
+  // accumulator set each (128 fp32 a thread, as at MT = 128): warp w of warpgroup wg multiplies
+  // row tile 2 wg + (w >> 1) of slab w & 1, so each decoded weight feeds 256 tokens instead of
+  // 128 (half the decode per MMA) for twice the x bytes per K-tile. Unsplit only (plan_t).
+  static constexpr bool kTall = MT == 256;
+  static_assert(!kTall || (CN == 128 && R == 2 && CPS == 1), "the tall CTA: 128 columns, two warpgroups, one per SM");
   static_assert(!(R == 1 && MT == 128), "128 x 64 fp32 accumulators per thread do not fit the registers");
   static_assert(CPS == 1 || default_cps(MT, CN, R) == 2, "two CTAs per SM only where their accumulators fit");
   static_assert(CPS == 2 || !(R == 1 && CN == 256), "256 columns without a row split: two CTAs per SM");
@@ -112,7 +122,7 @@ template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
   static constexpr int kSlabsCta = CN / kUnitN;             // slabs (64 columns) per CTA
   static constexpr int kWG = R > 1 ? R : kSlabsCta / kSlabs;
   static constexpr int kConsumers = 128 * kWG;              // the warpgroups that decode and multiply
-  static constexpr int kSets = 4 / R;                       // accumulator sets (row tiles) per thread
+  static constexpr int kSets = kTall ? 1 : 4 / R;           // accumulator sets (row tiles) per thread
   static constexpr int kHalves = R == 1 ? 2 : 1;            // plane words h a warp decodes per block
   // CTAs per SM the kernel is built for (__launch_bounds__): two where they fit (R = 2 at
   // MT <= 64: 64 accumulators in <= 128 registers, so 16 warps per SM), or one with the producer
@@ -128,7 +138,7 @@ template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
   // on 28672x4096 and 57344x8192 (wgmma_dev.py), 4-8% in the 8B decode step at K = 2..4 and
   // 1-2% at K=5 (docs/MMA.md, tenth session).
 #ifndef KBIT_WG_DEV_NOPRODUCER
-  static constexpr bool kProducer = kCtasPerSm == 1 && CN == 256;
+  static constexpr bool kProducer = kCtasPerSm == 1 && CN <= 256;
 #else
   static constexpr bool kProducer = false;
 #endif
@@ -143,7 +153,11 @@ template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
   // (the GEMV's scheme). Stages then fill the space below it and above it; barriers sit at
   // kWideUsable. Whatever the window's start, that leaves at least kWideFit stages.
 #ifndef KBIT_WG_DEV_NOWIDELUT
-  static constexpr bool kWideLut = PairTable<BITS>::kLutEntries > 0 && kCtasPerSm == 1 && kLutReplicas == 32;
+  static constexpr bool kWideLut = PairTable<BITS>::kLutEntries > 0 && kCtasPerSm == 1 && kLutReplicas == 32
+#ifdef KBIT_WG_DEV_TALL_PACKED  // probe: the tall CTA with the packed table (5 stages instead of 3)
+                                   && !kTall
+#endif
+      ;
 #else
   static constexpr bool kWideLut = false;
 #endif
@@ -332,55 +346,77 @@ template <> __device__ __forceinline__ void wgmma_rs<128, __nv_bfloat16>(float (
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
+template <> __device__ __forceinline__ void wgmma_rs<256, __half>(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, 1, 1, 1, 0;"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <> __device__ __forceinline__ void wgmma_rs<256, __nv_bfloat16>(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, 1, 1, 1, 0;"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
 #endif  // KBIT_WGMMA_DEVICE
 
-// A fragments of one plane word (block kb = wi / 2, n8 groups 4h..4h+3, h = wi % 2): row tiles
-// 2h (groups 4h, 4h+1) and 2h+1 (groups 4h+2, 4h+3) as A[qp][k16 step][register].
-template <int BITS, typename T, bool kWideLut = false>
-__device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint32_t codes, uint32_t (&A)[2][2][4],
-                                            uint32_t lut_addr, uint32_t table) {
+// Row tile 2h + qp of one plane word (block kb = wi / 2, h = wi % 2: n8 groups 4h + 2qp, rows g,
+// and 4h + 2qp + 1, rows g + 8) as A[k16 step][register].
+template <int BITS, typename T, bool kWideLut>
+__device__ __forceinline__ void decode_row_tile(const Decoder<BITS, T, kWideLut>& dec, uint32_t codes, int qp,
+                                                uint32_t (&A)[2][4], uint32_t lut_addr, uint32_t table) {
+  const int q0 = 2 * qp, q1 = 2 * qp + 1;  // n8 groups 4h+q0 (rows g), 4h+q1 (rows g+8)
+  const uint32_t s0 = scale2<T>(codes, q0), s1 = scale2<T>(codes, q1);
+  uint32_t a0[4], a1[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    a0[s] = hmul2<T>(dec.pair(q0, s, lut_addr, table), s0);
+    a1[s] = hmul2<T>(dec.pair(q1, s, lut_addr, table), s1);
+  }
+  // The pairs come in the decoder's k order (kbit_decode.cuh): pair s of this lane holds, for
+  // K = 3..5, k = (2t + s', 16 + 2t + s') with s = 2 j + s' covering k = 8 j + ..., and for K = 2
+  // (crumb pairs) k = (16 j + 2t + s', 16 j + 8 + 2t + s'). One PRMT per register regroups
+  // them into the m16n8k16 A fragment of natural k (k16 step, then k = 2t, 2t+1 / 2t+8, 2t+9),
+  // so x is used as stored: a TMA box of its rows, no permutation pass.
+  constexpr bool kCrumb = PairTable<BITS>::kCrumbPairs;
+  const uint32_t a[2][4] = {{a0[0], a0[1], a0[2], a0[3]}, {a1[0], a1[1], a1[2], a1[3]}};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {  // rows g (fragment registers 0, 2) and g + 8 (1, 3)
+#ifdef KBIT_WG_DEV_NOREGROUP  // probe (wrong results): what the regroup PRMTs cost
+    A[0][r] = a[r][0], A[0][2 + r] = a[r][2], A[1][r] = a[r][1], A[1][2 + r] = a[r][3];
+    continue;
+#endif
+    if constexpr (kCrumb) {
+      A[0][r] = prmt(a[r][0], a[r][1], 0x5410);
+      A[0][2 + r] = prmt(a[r][0], a[r][1], 0x7632);
+      A[1][r] = prmt(a[r][2], a[r][3], 0x5410);
+      A[1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
+    } else {
+      A[0][r] = prmt(a[r][0], a[r][1], 0x5410);
+      A[0][2 + r] = prmt(a[r][2], a[r][3], 0x5410);
+      A[1][r] = prmt(a[r][0], a[r][1], 0x7632);
+      A[1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
+    }
+  }
+}
+
+// A fragments of one plane word: row tiles 2h and 2h+1 as A[qp][k16 step][register];
+// or, with kOneTile, only row tile 2h + qp as A[0] (the 256-token CTA, whose warps each multiply
+// one row tile of their word: half the decode per wgmma, Cfg::kTall).
+template <int BITS, typename T, bool kWideLut = false, bool kOneTile = false>
+__device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint32_t codes,
+                                            uint32_t (&A)[kOneTile ? 1 : 2][2][4], uint32_t lut_addr, uint32_t table,
+                                            int qp = 0) {
 #ifdef KBIT_WG_DEV_NODECODE
 #pragma unroll
-  for (int i = 0; i < 16; ++i) (&A[0][0][0])[i] = planes[i % BITS] ^ codes;
+  for (int i = 0; i < (kOneTile ? 8 : 16); ++i) (&A[0][0][0])[i] = planes[i % BITS] ^ codes;
   return;
 #endif
   Decoder<BITS, T, kWideLut> dec;
   dec.load(planes);
+  if constexpr (kOneTile) {
+    decode_row_tile(dec, codes, qp, A[0], lut_addr, table);
+  } else {
 #pragma unroll
-  for (int qp = 0; qp < 2; ++qp) {
-    const int q0 = 2 * qp, q1 = 2 * qp + 1;  // n8 groups 4h+q0 (rows g), 4h+q1 (rows g+8)
-    const uint32_t s0 = scale2<T>(codes, q0), s1 = scale2<T>(codes, q1);
-    uint32_t a0[4], a1[4];
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      a0[s] = hmul2<T>(dec.pair(q0, s, lut_addr, table), s0);
-      a1[s] = hmul2<T>(dec.pair(q1, s, lut_addr, table), s1);
-    }
-    // The pairs come in the decoder's k order (kbit_decode.cuh): pair s of this lane holds, for
-    // K = 3..5, k = (2t + s', 16 + 2t + s') with s = 2 j + s' covering k = 8 j + ..., and for K = 2
-    // (crumb pairs) k = (16 j + 2t + s', 16 j + 8 + 2t + s'). One PRMT per register regroups
-    // them into the m16n8k16 A fragment of natural k (k16 step, then k = 2t, 2t+1 / 2t+8, 2t+9),
-    // so x is used as stored: a TMA box of its rows, no permutation pass.
-    constexpr bool kCrumb = PairTable<BITS>::kCrumbPairs;
-    const uint32_t a[2][4] = {{a0[0], a0[1], a0[2], a0[3]}, {a1[0], a1[1], a1[2], a1[3]}};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // rows g (fragment registers 0, 2) and g + 8 (1, 3)
-#ifdef KBIT_WG_DEV_NOREGROUP  // probe (wrong results): what the regroup PRMTs cost
-      A[qp][0][r] = a[r][0], A[qp][0][2 + r] = a[r][2], A[qp][1][r] = a[r][1], A[qp][1][2 + r] = a[r][3];
-      continue;
-#endif
-      if constexpr (kCrumb) {
-        A[qp][0][r] = prmt(a[r][0], a[r][1], 0x5410);
-        A[qp][0][2 + r] = prmt(a[r][0], a[r][1], 0x7632);
-        A[qp][1][r] = prmt(a[r][2], a[r][3], 0x5410);
-        A[qp][1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
-      } else {
-        A[qp][0][r] = prmt(a[r][0], a[r][1], 0x5410);
-        A[qp][0][2 + r] = prmt(a[r][2], a[r][3], 0x5410);
-        A[qp][1][r] = prmt(a[r][0], a[r][1], 0x7632);
-        A[qp][1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
-      }
-    }
+    for (int q = 0; q < 2; ++q) decode_row_tile(dec, codes, q, A[q], lut_addr, table);
   }
 }
 
@@ -396,8 +432,9 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   uint8_t* smem = smem_raw + (base - raw_addr);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // wgmma takes rows 16 (warp % 4) + ... from this warp; a row split's warpgroups share slabs
-  const int slab = R > 1 ? (warp & 3) : warp, wg = warp >> 2;
-  const int pr0 = R > 1 ? 2 * wg : 0;  // this warpgroup's first row tile (of 4 per unit)
+  const int slab = C::kTall ? (warp & 1) : R > 1 ? (warp & 3) : warp, wg = warp >> 2;
+  const int qp = C::kTall ? (warp >> 1) & 1 : 0;  // the tall CTA: which row tile of its words h = wg
+  const int pr0 = R > 1 ? 2 * wg + qp : 0;  // this warp's first row tile (of 4 per unit)
   const int g = lane >> 2, t4 = lane & 3;
   const int split = blockIdx.x, splits = gridDim.x;
   const int nu = col_group() * C::kSlabsCta + slab;
@@ -565,10 +602,14 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
 #pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
       uint32_t(&Ab)[kSets][2][4] = A[kb];
+      if constexpr (C::kTall) {
+        decode_word<BITS, T, C::kWideLut, true>(pw[kb][0], codes[kb][0], Ab, lut_addr, table, qp);
+      } else {
 #pragma unroll
-      for (int hh = 0; hh < C::kHalves; ++hh)
-        decode_word<BITS, T, C::kWideLut>(pw[kb][hh], codes[kb][hh], *reinterpret_cast<uint32_t(*)[2][2][4]>(&Ab[2 * hh]),
-                             lut_addr, table);
+        for (int hh = 0; hh < C::kHalves; ++hh)
+          decode_word<BITS, T, C::kWideLut>(pw[kb][hh], codes[kb][hh],
+                                            *reinterpret_cast<uint32_t(*)[2][2][4]>(&Ab[2 * hh]), lut_addr, table);
+      }
 #pragma unroll
       for (int r = 0; r < kSets; ++r) fence_regs(acc[r]);
       wgmma_fence();
@@ -674,6 +715,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
       }
     return;
   }
+  if constexpr (C::kTall) __trap();  // unsplit only: plan_t never splits it
   // split-K: partials to this CTA's shared memory ([element][thread], conflict-free), then CTA
   // `rank` of the cluster sums its slice of the elements over the cluster's CTAs in rank order.
   // With p.groups > 1 the K range is split over that many clusters (plan_t, choose_groups): each
@@ -1003,7 +1045,8 @@ constexpr int kBigClusterChunk = 16;
 //     M = 704 / 768 s = 8 at 1.14x); tests/test_wgmma_plan.py replays them on the CPU. MT <= 64
 //     keeps the cost 0 its own sweeps were fitted with.
 constexpr int kSplitCost128 = 40;
-inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost) {
+inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost,
+                         long long* cost_out = nullptr) {
   constexpr int kAlone = 10, kShared = 17, kFixed = 3 * kAlone;
   const int cap = env_int("KBIT_WGMMA_MAX_SPLITS", kMaxSplits);  // tuning: 8 = portable sizes only
   const int max_s = cap < 1 ? 1 : cap > occ.max_splits ? occ.max_splits : cap;
@@ -1022,7 +1065,29 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
     const long long cost = waves * per_cta;
     if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
   }
+  if (cost_out != nullptr) *cost_out = best_cost;
   return best;
+}
+
+// 256-token tiles (Cfg::kTall: 128 columns, unsplit) or the 128-token plan, by choose_splits'
+// cost in its units: a tall CTA's time is kTallK / 10 K-tiles of a lone 128-token CTA per K-tile,
+// no fixed cost; the tall CTA cannot split K, so where its CTAs leave SMs idle the 128-token
+// plan's split wins (4096x4096 and 4096x14336 at M = 512: 64 tall CTAs, 50.3 / 152.1 us against
+// 38.6 / 103.1). Never where the last token tile holds 64 rows or fewer: those ran far slower than
+// a full tile on the same grid (57344x8192 at M = 320 844 us against 653 at M = 448, 8192x28672
+// 471 against 311; not understood). Fitted on the H200 to a sweep of both forced, eight shapes,
+// M = 320..1000 (K=4; tests/test_wgmma_plan.py replays it): the pick runs within 4% of the faster
+// everywhere except five cases where the 128-token plan it keeps is 5-16% slower.
+// KBIT_WGMMA_TILE_M = 256 / 128 forces either (tile_m).
+constexpr int kTallMinM = 257;
+constexpr int kTallK = 88;  // tenths of choose_splits' units
+inline bool choose_tall(int m, int n, int ku, int num_sms, const Occupancy& occ128, int split_cost) {
+  if (m < kTallMinM || m - 256 * (div_up(m, 256) - 1) <= 64) return false;
+  const long long tiles128 = (long long)div_up(n_units(n), 256 / kUnitN) * div_up(m, 128);
+  const long long tiles_tall = (long long)div_up(n_units(n), 128 / kUnitN) * div_up(m, 256);
+  long long cost128 = 0;
+  choose_splits(tiles128, ku, num_sms, occ128, split_cost, &cost128);
+  return div_up(tiles_tall, (long long)num_sms) * ku * kTallK < cost128 * 10;
 }
 
 // The split of a plan: `forced` (> 0) or choose_splits' pick, clamped to the device's largest
@@ -1075,15 +1140,16 @@ inline int choose_groups(long long tiles, int ku, int num_sms, const Occupancy& 
 }
 
 // Debug overrides for tuning, read on every call, unset in production:
-// KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128, KBIT_WGMMA_WIDE = 1 (512-column CTAs at tiles <= 64),
+// KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128 | 256, KBIT_WGMMA_WIDE = 1 (512-column CTAs at tiles <= 64),
 // KBIT_WGMMA_SPREAD = 0 (never launch spread), KBIT_WGMMA_ROWSPLIT = 1 | 2 (at MT = 32) and
 // KBIT_WGMMA_MAX_SPLITS = 1..16 (the largest cluster choose_splits considers),
 // KBIT_WGMMA_SPLIT_COST = 0.. (choose_splits' reduction cost at MT = 128; 0 = the plan before it),
 // KBIT_WGMMA_GROUPS = 1 | G (choose_groups), KBIT_WGMMA_Y_TMA = 0 (unsplit calls store y
 // element by element instead of through shared memory and TMA; A/B and the tests).
+// (256-token tiles: plan_t asks choose_tall where this gives 128)
 inline int tile_m(int m) {
   const int t = env_int("KBIT_WGMMA_TILE_M", 0);
-  if (t == 16 || t == 32 || t == 64 || t == 128) return t;
+  if (t == 16 || t == 32 || t == 64 || t == 128 || t == 256) return t;
   return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
 }
 
@@ -1093,6 +1159,7 @@ inline int tile_m(int m) {
 // single list both the occupancy queries and the launch go through).
 template <int V> using IntC = std::integral_constant<int, V>;
 template <typename F> decltype(auto) with_instantiation(int mt, int cn, int rs, int cps, F&& f) {
+  if (mt == 256) return f(IntC<256>{}, IntC<128>{}, IntC<2>{}, IntC<1>{});
   if (cn == 512) {
     if (mt == 16) return f(IntC<16>{}, IntC<512>{}, IntC<1>{}, IntC<1>{});
     if (mt == 32) return f(IntC<32>{}, IntC<512>{}, IntC<1>{}, IntC<1>{});
@@ -1177,16 +1244,21 @@ constexpr int kShortChunk = 48;
 // split factor (clamped to 1..min(the device's largest cluster: 16, or 8 without non-portable
 // sizes; K-tiles)).
 template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, int* out) {
-  const int mt = tile_m(p.m);
+  int mt = tile_m(p.m);
+  if (mt == 256 && splits > 1) mt = 128;  // the tall CTA does not split K
+  if (mt == 128 && splits == 0 && env_int("KBIT_WGMMA_TILE_M", 0) == 0) {
+    const int cost = env_int("KBIT_WGMMA_SPLIT_COST", kSplitCost128);
+    if (choose_tall(p.m, p.n, p.ku_count, num_sms, occupancy_for<BITS, T>(128, 256, 2, 1), cost)) mt = 256;
+  }
   const int gz = div_up(p.m, mt);
-  const int cn = mt <= 64 && env_int("KBIT_WGMMA_WIDE", 0) == 1 ? 512 : 256;
+  const int cn = mt == 256 ? 128 : mt <= 64 && env_int("KBIT_WGMMA_WIDE", 0) == 1 ? 512 : 256;
   const int gy = div_up(n_units(p.n), cn / kUnitN);
   const long long tiles = (long long)gy * gz;
   // the split from R = 1's occupancy at MT <= 32 (the same two CTAs per SM as R = 2)
   const int rs_split = cn == 512 || mt <= 32 ? 1 : 2;
   const Occupancy& occ_split = occupancy_for<BITS, T>(mt, cn, rs_split, default_cps(mt, cn, rs_split));
   const int split_cost = mt == 128 ? env_int("KBIT_WGMMA_SPLIT_COST", kSplitCost128) : 0;
-  int s = plan_split(tiles, p.ku_count, num_sms, occ_split, split_cost, splits, &p.chunk);
+  int s = plan_split(tiles, p.ku_count, num_sms, occ_split, split_cost, mt == 256 ? 1 : splits, &p.chunk);
   int rs = cn == 512 || mt == 16 ? 1 : mt >= 64 || p.chunk <= kShortChunk ? 2 : 1;
   const int rs_force = env_int("KBIT_WGMMA_ROWSPLIT", 0);
   if (cn == 256 && mt == 32 && (rs_force == 1 || rs_force == 2)) rs = rs_force;

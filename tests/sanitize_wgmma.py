@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck  python3 tests/sanitize_wgmma.py
     compute-sanitizer --tool racecheck python3 tests/sanitize_wgmma.py
 
-Covers the token tiles (16, 32, 64, 128), one and two warpgroups per CTA (row split), the
+Covers the token tiles (16, 32, 64, 128, 256), one and two warpgroups per CTA (row split), the
 producer warpgroup and the wide pair table (tile 128, and tile 64 built for one CTA per SM),
 split-K clusters (forced 1, 2, 3, 8, 16 and the plan's) and cluster groups meeting in the global
 workspace, unsplit y stores through shared memory and TMA (N % 8 == 0) or per element, the
@@ -19,7 +19,7 @@ import torch
 from gemm_cases import sanitize_case  # tests/ is this script's directory, so on sys.path
 from vllm_kbit import ops  # noqa: F401  (registers the ops, loads vllm_kbit._C)
 
-CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)[, KBIT_WGMMA_ONE[, KBIT_WGMMA_GROUPS]]
+CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)[, KBIT_WGMMA_ONE[, _GROUPS[, _TILE_M]]]
     (17, 200, 96, 3, torch.float16, True, 0),         # tile 32 (two warpgroups), slabs past N, K % 64 == 32
     (16, 130, 4128, 4, torch.bfloat16, False, 3),     # tile 16, 3-CTA cluster, uneven chunks
     (64, 64, 2048, 2, torch.float16, True, 8),        # tile 64, 8-CTA cluster, one slab
@@ -41,6 +41,11 @@ CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)[, KBIT_WGMMA_ONE
     (13, 200, 1024, 2, torch.float16, True, 1),       # tile 16, one warpgroup
     (64, 264, 2048, 3, torch.float16, False, 1, "1"),  # tile 64 one per SM
     (40, 264, 2048, 5, torch.bfloat16, True, 1, "0"),  # tile 64 two per SM (no producer)
+    # 256-token tiles (128 columns, unsplit), forced
+    (300, 264, 1056, 4, torch.float16, True, 0, "-1", "0", "256"),    # two tiles, rows past M, TMA y store
+    (17, 200, 2048, 3, torch.bfloat16, False, 0, "-1", "0", "256"),   # one tile, a slab past N
+    (260, 300, 1024, 5, torch.bfloat16, True, 1, "-1", "0", "256"),   # N % 8 != 0: element stores
+    (257, 130, 2048, 2, torch.float16, True, 0, "-1", "0", "256"),
 ]
 
 
@@ -52,6 +57,7 @@ def main():
     for m, n, k, bits, dtype, bias, splits, *one in CASES:
         os.environ["KBIT_WGMMA_ONE"] = one[0] if one else "-1"  # read on every call (kbit_wgmma.cuh)
         os.environ["KBIT_WGMMA_GROUPS"] = one[1] if len(one) > 1 else "0"
+        os.environ["KBIT_WGMMA_TILE_M"] = one[2] if len(one) > 2 else "0"
         ok, err = sanitize_case(4, m, n, k, bits, dtype, bias, splits)
         plan = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
         bad += not ok

@@ -115,6 +115,29 @@ def test_wide_ctas(m, monkeypatch):
         check(m, 1000, 4128, bits, dtype, bias=True, splits=splits)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tall_tiles(bits, dtype, monkeypatch):
+    # 256-token tiles (Cfg::kTall: 128 columns, each warp one row tile of its plane words),
+    # forced at every M: one partial tile (17), two (300), four (1000); N = 4104 ends in a
+    # partial slab, so the last 128-column CTA has one slab partly and one wholly past N. Both
+    # y stores (TMA where N % 8 == 0, else element by element: N = 1004) must agree bitwise. The
+    # tall CTA never splits K: a forced split falls back to 128-token tiles.
+    monkeypatch.setenv("KBIT_WGMMA_TILE_M", "256")
+    for m in (17, 300, 1000):
+        p = plan(m, 4104, 4128, bits, dtype)
+        assert (p["tile_m"], p["cols"], p["splits"], p["grid"][1]) == (256, 128, 1, -(-m // 256)), p
+        check(m, 4104, 4128, bits, dtype, bias=(m != 300))
+    assert plan(300, 4104, 4128, bits, dtype, splits=3)["tile_m"] == 128
+    check(300, 4104, 4128, bits, dtype, bias=True, splits=3)
+    outs, (packed, absmax, cb, b) = check(300, 1000, 4128, bits, dtype, bias=True)
+    monkeypatch.setenv("KBIT_WGMMA_Y_TMA", "0")
+    for x, y in outs:
+        y_scalar = gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, 1000, 4128, b, 0)
+        assert torch.equal(y.view(torch.int16), y_scalar.view(torch.int16)), f"bits={bits} {dtype}: y stores differ"
+    check(300, 1004, 4128, bits, dtype, bias=True)
+
+
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("m", [17, 32])
 def test_row_split(m, rows, monkeypatch):
@@ -244,11 +267,28 @@ def test_split_cost_at_tile_128(monkeypatch):
     # At MT = 128 a split CTA pays its 128 KB reduction (kSplitCost128): 4096x14336 at M = 512
     # (64 tiles) still splits, while on the H200's 132 SMs 28672x4096 at M = 576 (560 tiles) and
     # 4096x14336 at M = 704 (96 tiles) run unsplit, which a cost of 0 (the plan before) did not.
+    # (128-token tiles forced: the plan takes 256-token ones at some of these, test_tall_pick.)
+    monkeypatch.setenv("KBIT_WGMMA_TILE_M", "128")
     assert plan(512, 4096, 14336, 4)["splits"] > 1
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:
         assert plan(576, 28672, 4096, 4)["splits"] == 1 and plan(704, 4096, 14336, 4)["splits"] == 1
         monkeypatch.setenv("KBIT_WGMMA_SPLIT_COST", "0")
         assert plan(576, 28672, 4096, 4)["splits"] > 1 and plan(704, 4096, 14336, 4)["splits"] > 1
+
+
+def test_tall_pick():
+    # plan_t takes 256-token tiles (unsplit) where choose_tall's cost beats the 128-token plan's:
+    # never below 257 rows; not where 128-token splits fill the SMs that too few tall CTAs leave
+    # idle (4096x4096 and 4096x14336 at M = 512: 64 tall CTAs); yes on wide layers and at M ~ 1000
+    # (tests/test_wgmma_plan.py replays the choice against measured times).
+    for n, k in ((4096, 4096), (28672, 4096), (57344, 8192)):
+        assert plan(256, n, k, 4)["tile_m"] == 128
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert plan(512, 4096, 4096, 4)["tile_m"] == 128 and plan(512, 4096, 14336, 4)["tile_m"] == 128
+        for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192)):
+            p = plan(1000, n, k, 4)
+            assert (p["tile_m"], p["cols"], p["splits"]) == (256, 128, 1), (n, k, p)
+    assert plan(1000, 28672, 4096, 4, splits=2)["tile_m"] == 128  # a forced split keeps 128
 
 
 def test_spread_launch(monkeypatch):

@@ -58,11 +58,14 @@ def replay(tmp_path_factory):
     subprocess.run([NVCC, "-std=c++17", "--expt-relaxed-constexpr", "-I", os.path.join(ROOT, "csrc"), "-o", str(exe),
                     os.path.join(ROOT, "tests", "cpp", "wgmma_splits_test.cu")], check=True, timeout=600)
 
-    def run(cases, cost=None, groups=False):
+    def run(cases, cost=None, groups=False, tall=False):
         stdin = "".join(f"{n} {k} {m}\n" for n, k, m in cases)
         r = subprocess.run([str(exe)] + ([str(cost)] if cost is not None else []), input=stdin,
                            capture_output=True, text=True, timeout=60, check=True)
-        # (n, k, m) -> (splits, CTAs per SM), or with groups=True (cluster groups, CTAs per cluster)
+        # (n, k, m) -> (splits, CTAs per SM), or with groups=True (cluster groups, CTAs per cluster),
+        # or with tall=True whether plan_t takes 256-token tiles
+        if tall:
+            return {tuple(int(v) for v in line.split()[:3]): line.split()[7] == "1" for line in r.stdout.splitlines()}
         cols = slice(5, 7) if groups else slice(3, 5)
         return {tuple(int(v) for v in line.split()[:3]): tuple(int(v) for v in line.split()[cols])
                 for line in r.stdout.splitlines()}
@@ -112,3 +115,34 @@ def test_cluster_groups_picks(replay):
         assert picks[(4096, 14336, m)] == (2, 2), (m, picks[(4096, 14336, m)])
     for c in cases[3:]:
         assert picks[c][0] == 1, (c, picks[c])
+
+
+TALL_SWEEP = "bench_gemm_wgmma_tall_sweep_0dd8999.json"
+
+
+def tall_times():
+    """{(n, k, m): {"128": us, "256": us, "auto": us}} of the tall sweep, each the mean of its runs."""
+    with open(os.path.join(ROOT, "benchmarks", "results", TALL_SWEEP)) as f:
+        recs = json.load(f)["results"]
+    runs = collections.defaultdict(lambda: collections.defaultdict(list))
+    for r in recs:
+        runs[(r["n"], r["k"], r["m"])][r["knobs"].get("KBIT_WGMMA_TILE_M", "auto")].append(r["us"])
+    return {c: {t: sum(v) / len(v) for t, v in d.items()} for c, d in runs.items()}
+
+
+def test_tall_pick_replay(replay):
+    # choose_tall (256-token tiles, unsplit, or the 128-token plan) replayed on every case of a
+    # sweep that timed both forced (M = 320..1000, eight layer shapes, K=4): the pick must run
+    # within 4% of the faster of the two, except where it keeps the 128-token plan (the plan
+    # before the tall tiles) in the cases listed, whose tall tiles ran 5-16% faster
+    missed = {(6144, 4096, 320), (4096, 4096, 576), (4096, 14336, 576), (10240, 8192, 576), (4096, 14336, 640)}
+    cases = tall_times()
+    assert len(cases) == 72
+    picks = replay(cases, tall=True)
+    assert sum(picks.values()) >= 30  # it does take them
+    slow = {}
+    for c, t in cases.items():
+        got = t["256"] if picks[c] else t["128"]
+        if got > 1.04 * min(t["128"], t["256"]) and not (c in missed and not picks[c]):
+            slow[c] = (picks[c], round(got / min(t["128"], t["256"]), 3))
+    assert not slow, slow
