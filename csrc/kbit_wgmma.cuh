@@ -17,7 +17,7 @@
 //     traffic per weight; only when forced since the TMA loads, plan_t); or two that split each
 //     unit's row tiles between them (row split R = 2: at MT = 128 so that the accumulators fit,
 //     at MT = 64 and short-K MT = 32 for 16 warps per SM, plan_t). At MT = 256 (the tall CTA,
-//     Cfg::kTall, from ~450 rows where choose_tall takes it) 128 columns: each warp multiplies
+//     Cfg::kTall, from 321 rows on the layers where choose_tall takes it) 128 columns: each warp multiplies
 //     one row tile of its plane words at n = 256, so each weight is decoded once per 256 tokens.
 //   * per 32-block: decode (kbit_decode.cuh: the GEMV's pair tables, codebook pre-multiplied
 //     by the E4M4 constant, then one HMUL2 by the block's scale) -> 8 wgmma (4 row tiles x
@@ -645,8 +645,9 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   for (int r = 0; r < kSets; ++r) fence_regs(acc[r]);
 
   // ---- epilogue. D fragment of wgmma m64nMT, register i = 4j + e of set r: row (in the m64)
-  // 16 slab + g + 8 (e >> 1) = column 64 nu + 16 pr + 8 (e >> 1) + g of y, pr = r + 2 wg
-  // (one warpgroup: pr = r), token 8 j + 2 t4 + (e & 1).
+  // 16 (warp % 4) + g + 8 (e >> 1) = column 64 nu + 16 pr + 8 (e >> 1) + g of y, pr = pr0 + r
+  // (pr0 = 2 wg with a row split, + qp in the tall CTA; 0 for one warpgroup), token
+  // 8 j + 2 t4 + (e & 1).
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
   if (splits == 1) {
@@ -715,7 +716,9 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
       }
     return;
   }
-  if constexpr (C::kTall) __trap();  // unsplit only: plan_t never splits it
+  // unsplit only: plan_t never splits it, except under a forced KBIT_WGMMA_GROUPS >= 2 (a tuning
+  // override), which reaches this trap: a known gap, docs/MMA.md (thirty-fourth session)
+  if constexpr (C::kTall) __trap();
   // split-K: partials to this CTA's shared memory ([element][thread], conflict-free), then CTA
   // `rank` of the cluster sums its slice of the elements over the cluster's CTAs in rank order.
   // With p.groups > 1 the K range is split over that many clusters (plan_t, choose_groups): each
@@ -1070,10 +1073,10 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
 }
 
 // 256-token tiles (Cfg::kTall: 128 columns, unsplit) or the 128-token plan, by choose_splits'
-// cost in its units: a tall CTA's time is kTallK / 10 K-tiles of a lone 128-token CTA per K-tile,
-// no fixed cost; the tall CTA cannot split K, so where its CTAs leave SMs idle the 128-token
-// plan's split wins (4096x4096 and 4096x14336 at M = 512: 64 tall CTAs, 50.3 / 152.1 us against
-// 38.6 / 103.1). Never where the last token tile holds 64 rows or fewer: those ran far slower than
+// cost in its units: a tall CTA's K-tile costs kTallK / 10 of choose_splits' units (0.88 of a lone
+// 128-token CTA's K-tile at kAlone = 10), and no fixed cost. The tall CTA cannot split K, so where
+// its CTAs leave SMs idle the 128-token plan's split wins (4096x4096 and 4096x14336 at M = 512: 64
+// tall CTAs, 50.3 / 152.1 us against 38.6 / 103.1). Never where the last token tile holds 64 rows or fewer: those ran far slower than
 // a full tile on the same grid (57344x8192 at M = 320 844 us against 653 at M = 448, 8192x28672
 // 471 against 311; not understood). Fitted on the H200 to a sweep of both forced, eight shapes,
 // M = 320..1000 (K=4; tests/test_wgmma_plan.py replays it): the pick runs within 4% of the faster
