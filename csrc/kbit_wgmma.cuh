@@ -5,8 +5,9 @@
 // Why this shape (Machete's transposition, seed 002): compute Y^T = W X^T with the
 // dequantized W as wgmma's register-sourced A operand and x^T as the shared-memory B operand.
 // Then the weights never round-trip through shared memory after decode, the tokens are the
-// wgmma N dimension (16..256 per CTA; M from 17 to wgmma_max_m is served here), and the instruction is
-// asynchronous: the tensor cores multiply one 32-block while the warps decode the next.
+// wgmma N dimension (16..256 per CTA; M from 17 to wgmma_max_m is served here), and the
+// instruction is asynchronous: the tensor cores multiply one 32-block while the warps decode the
+// next.
 //   * a warpgroup (4 warps): warp w owns the 64-column slab w of the CTA's slabs, i.e.
 //     exactly the lane-local fragments of kbit_layout.cuh (no data crosses lanes or warps).
 //     A wgmma m64 tile takes rows 16w..16w+15 from warp w, so row tile `pr` of the four warps'
@@ -17,8 +18,9 @@
 //     traffic per weight; only when forced since the TMA loads, plan_t); or two that split each
 //     unit's row tiles between them (row split R = 2: at MT = 128 so that the accumulators fit,
 //     at MT = 64 and short-K MT = 32 for 16 warps per SM, plan_t). At MT = 256 (the tall CTA,
-//     Cfg::kTall, from 321 rows on the layers where choose_tall takes it) 128 columns: each warp multiplies
-//     one row tile of its plane words at n = 256, so each weight is decoded once per 256 tokens.
+//     Cfg::kTall, from 321 rows on the layers where choose_tall takes it) 128 columns: each warp
+//     multiplies one row tile of its plane words at n = 256, so each weight is decoded once per
+//     256 tokens.
 //   * per 32-block: decode (kbit_decode.cuh: the GEMV's pair tables, codebook pre-multiplied
 //     by the E4M4 constant, then one HMUL2 by the block's scale) -> 8 wgmma (4 row tiles x
 //     2 k16 steps) into two alternating A buffers: block b+1 decodes while block b multiplies
@@ -153,11 +155,7 @@ template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
   // (the GEMV's scheme). Stages then fill the space below it and above it; barriers sit at
   // kWideUsable. Whatever the window's start, that leaves at least kWideFit stages.
 #ifndef KBIT_WG_DEV_NOWIDELUT
-  static constexpr bool kWideLut = PairTable<BITS>::kLutEntries > 0 && kCtasPerSm == 1 && kLutReplicas == 32
-#ifdef KBIT_WG_DEV_TALL_PACKED  // probe: the tall CTA with the packed table (5 stages instead of 3)
-                                   && !kTall
-#endif
-      ;
+  static constexpr bool kWideLut = PairTable<BITS>::kLutEntries > 0 && kCtasPerSm == 1 && kLutReplicas == 32;
 #else
   static constexpr bool kWideLut = false;
 #endif
@@ -1076,9 +1074,9 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
 // cost in its units: a tall CTA's K-tile costs kTallK / 10 of choose_splits' units (0.88 of a lone
 // 128-token CTA's K-tile at kAlone = 10), and no fixed cost. The tall CTA cannot split K, so where
 // its CTAs leave SMs idle the 128-token plan's split wins (4096x4096 and 4096x14336 at M = 512: 64
-// tall CTAs, 50.3 / 152.1 us against 38.6 / 103.1). Never where the last token tile holds 64 rows or fewer: those ran far slower than
-// a full tile on the same grid (57344x8192 at M = 320 844 us against 653 at M = 448, 8192x28672
-// 471 against 311; not understood). Fitted on the H200 to a sweep of both forced, eight shapes,
+// tall CTAs, 50.3 / 152.1 us against 38.6 / 103.1). Never where the last token tile holds 64 rows
+// or fewer: those ran far slower than a full tile on the same grid (57344x8192 at M = 320 844 us
+// against 653 at M = 448, 8192x28672 471 against 311; the rows past M, docs/MMA.md). Fitted on the H200 to a sweep of both forced, eight shapes,
 // M = 320..1000 (K=4; tests/test_wgmma_plan.py replays it): the pick runs within 4% of the faster
 // everywhere except five cases where the 128-token plan it keeps is 5-16% slower.
 // KBIT_WGMMA_TILE_M = 256 / 128 forces either (tile_m).
@@ -1248,11 +1246,11 @@ constexpr int kShortChunk = 48;
 // sizes; K-tiles)).
 template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, int* out) {
   int mt = tile_m(p.m);
+  const int cost128 = env_int("KBIT_WGMMA_SPLIT_COST", kSplitCost128);  // the split cost at MT = 128
   if (mt == 256 && splits > 1) mt = 128;  // the tall CTA does not split K
-  if (mt == 128 && splits == 0 && env_int("KBIT_WGMMA_TILE_M", 0) == 0) {
-    const int cost = env_int("KBIT_WGMMA_SPLIT_COST", kSplitCost128);
-    if (choose_tall(p.m, p.n, p.ku_count, num_sms, occupancy_for<BITS, T>(128, 256, 2, 1), cost)) mt = 256;
-  }
+  if (mt == 128 && splits == 0 && env_int("KBIT_WGMMA_TILE_M", 0) == 0 &&
+      choose_tall(p.m, p.n, p.ku_count, num_sms, occupancy_for<BITS, T>(128, 256, 2, 1), cost128))
+    mt = 256;
   const int gz = div_up(p.m, mt);
   const int cn = mt == 256 ? 128 : mt <= 64 && env_int("KBIT_WGMMA_WIDE", 0) == 1 ? 512 : 256;
   const int gy = div_up(n_units(p.n), cn / kUnitN);
@@ -1260,7 +1258,7 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
   // the split from R = 1's occupancy at MT <= 32 (the same two CTAs per SM as R = 2)
   const int rs_split = cn == 512 || mt <= 32 ? 1 : 2;
   const Occupancy& occ_split = occupancy_for<BITS, T>(mt, cn, rs_split, default_cps(mt, cn, rs_split));
-  const int split_cost = mt == 128 ? env_int("KBIT_WGMMA_SPLIT_COST", kSplitCost128) : 0;
+  const int split_cost = mt == 128 ? cost128 : 0;
   int s = plan_split(tiles, p.ku_count, num_sms, occ_split, split_cost, mt == 256 ? 1 : splits, &p.chunk);
   int rs = cn == 512 || mt == 16 ? 1 : mt >= 64 || p.chunk <= kShortChunk ? 2 : 1;
   const int rs_force = env_int("KBIT_WGMMA_ROWSPLIT", 0);
