@@ -3,9 +3,10 @@
 // are defined in Python (vllm_kbit/ops.py); this file registers their CUDA kernels and adds a
 // few C++-only ops for tests and benchmarks (TORCH_LIBRARY_FRAGMENT below).
 //
-// gemm picks its path from M inside the op (GEMV for M <= gemv_max_m(bits), then on Hopper the
-// wgmma kernel up to wgmma_max_m(bits), else the mma.sync kernel below dequant_min_m(bits),
-// dequantize + cuBLAS from there; see kbit_ops.h and auto_path below), with no
+// gemm picks its path from the shape inside the op (GEMV for M <= gemv_max_m(bits), then on Hopper
+// the wgmma kernel up to wgmma_max_m(bits) (above wgmma_short_max_m only where its plan takes
+// 256-token tiles), else the mma.sync kernel below dequant_min_m(bits), dequantize + cuBLAS from
+// there; see kbit_ops.h and auto_path below), with no
 // host sync and a grid that depends on shapes only, so it can be captured in a CUDA graph
 // and is opaque to torch.compile.
 #include <Python.h>
@@ -247,10 +248,16 @@ void gemm_dequant(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   }
 }
 
-// The path kbit::gemm takes (kbit_ops.h: from M alone).
-int64_t auto_path(int64_t m, int64_t bits) {
+// The path kbit::gemm takes (kbit_ops.h): from M, and between wgmma_short_max_m and wgmma_max_m
+// from the wgmma plan too (wgmma only where it takes 256-token tiles).
+int64_t auto_path(DType dtype, int64_t m, int64_t n, int64_t k, int64_t bits, int num_sms) {
   if (m <= gemv_max_m(int(bits))) return kGemv;
-  if (m <= wgmma_max_m(int(bits)) && wgmma_supported()) return kWgmma;
+  if (m <= wgmma_max_m(int(bits)) && wgmma_supported()) {
+    if (m <= wgmma_short_max_m(int(bits))) return kWgmma;
+    int plan[kWgmmaPlanInts] = {};
+    wgmma_plan_info(dtype, int(m), int(n), int(k), int(bits), num_sms, 0, plan);
+    return plan[0] == 256 ? kWgmma : kDequant;
+  }
   return kHasMma && m < dequant_min_m(int(bits)) ? kMma : kDequant;
 }
 
@@ -292,7 +299,7 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const at::Tensor* bias = bias_opt.has_value() && bias_opt->defined() ? &*bias_opt : nullptr;
   const void* bias_ptr = bias != nullptr ? bias->data_ptr() : nullptr;
   const int num_sms = device_props(x).multiProcessorCount;
-  if (path == kAuto) path = auto_path(a.m, bits);
+  if (path == kAuto) path = auto_path(a.dtype, a.m, a.n, a.k, bits, num_sms);
   TORCH_CHECK(path >= kGemv && path <= kWgmma, msg("kbit::gemm_path: path must be 0..4, got ", path));
   TORCH_CHECK(path != kWgmma || wgmma_supported(), msg("kbit::gemm_path: the wgmma path needs a build with ",
               "TORCH_CUDA_ARCH_LIST containing 9.0a and a compute capability 9.0 GPU"));
@@ -380,10 +387,11 @@ int64_t dequant_min_m_op(int64_t bits) {
 
 bool has_mma_op() { return kHasMma; }
 
-int64_t auto_path_op(int64_t m, int64_t bits) {
+int64_t auto_path_op(int64_t m, int64_t n, int64_t k, int64_t bits, at::ScalarType dtype) {
   check_bits(bits);
-  TORCH_CHECK(m > 0, msg("kbit::auto_path: M must be positive"));
-  return auto_path(m, bits);
+  TORCH_CHECK(m > 0 && n > 0 && k > 0 && k % kBlockSize == 0,
+              msg("kbit::auto_path: bad shape M = ", m, ", N = ", n, ", K = ", k));
+  return auto_path(to_dtype(dtype), m, n, k, bits, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
 }
 
 bool has_wgmma_op() { return wgmma_supported(); }
@@ -391,6 +399,11 @@ bool has_wgmma_op() { return wgmma_supported(); }
 int64_t wgmma_max_m_op(int64_t bits) {
   check_bits(bits);
   return wgmma_max_m(int(bits));
+}
+
+int64_t wgmma_short_max_m_op(int64_t bits) {
+  check_bits(bits);
+  return wgmma_short_max_m(int(bits));
 }
 
 // The wgmma launch plan on the current device: [tile_m, splits, grid x, grid y, grid z, columns per
@@ -450,7 +463,8 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("has_mma() -> bool", &kbit::has_mma_op);
   m.def("has_wgmma() -> bool", &kbit::has_wgmma_op);
   m.def("wgmma_max_m(int bits) -> int", &kbit::wgmma_max_m_op);
-  m.def("auto_path(int m, int bits) -> int", &kbit::auto_path_op);
+  m.def("wgmma_short_max_m(int bits) -> int", &kbit::wgmma_short_max_m_op);
+  m.def("auto_path(int m, int n, int k, int bits, ScalarType dtype) -> int", &kbit::auto_path_op);
   m.def("wgmma_plan(int m, int n, int k, int bits, ScalarType dtype, int splits=0) -> int[]", &kbit::wgmma_plan_op);
   m.def("gemv_plan(int m, int n, int k, int bits, int splits=0) -> int[]", &kbit::gemv_plan_op);
   m.def("mma_plan(int m, int n, int k, int bits) -> int[]", &kbit::mma_plan_op);  // MMA plan hook

@@ -179,6 +179,21 @@ size_t mma_workspace_bytes(int m, int n, int k, int bits, int num_sms);
 // 1..16 forces it (9..16: non-portable cluster sizes). Returns cudaErrorNotSupported where
 // wgmma_supported() is false.
 inline int wgmma_max_m(int bits) { return bits == 5 ? 1024 : bits == 4 ? 3072 : 4096; }
+// Up to here 128-token tiles served alone (the first table above). Above it, up to wgmma_max_m,
+// kbit::gemm takes wgmma only for the layers whose plan takes 256-token tiles (auto_path), the
+// others dequantize + cuBLAS as before those tiles: where choose_tall declines (a last token tile
+// of <= 64 rows, or by cost) 128-token tiles lose to it. The 8B step, per layer this way against
+// wgmma on every layer (bench_decode.py --ms 1040,1088,1500,2080 --bits 2,3,4 and --ms
+// 520,560,800,1000 --bits 5, --kbit-paths wgmma:0,dequant:0 --no-baselines, two rounds, H200,
+// 0d636b8 + this rule; bench_decode_tall_gaps_0d636b8.json), us:
+//         M = 1040        1088           1500           2080
+//   K=2   28225 / 29587  30418 / 29976  36465 / 36231  52960 / 56135
+//   K=3   28643 / 31490  31202 / 32106  37683 / 37838  53445 / 59811
+//   K=4   29149 / 30847  31511 / 31339  38216 / 38080  53749 / 58340
+//   K=5   M = 520 18846 / 20388, 560 21853 / 20748, 800 24721 / 26977, 1000 26877 / 27077
+// (geometric mean 0.965; K=5 at 560 is the one loss over 1.5%: its 128-token tiles beat dequantize
+// + cuBLAS there, 20748 / 21754, and lose at 520, 20388 / 18861).
+inline int wgmma_short_max_m(int bits) { return bits == 5 ? 512 : 1023; }
 // The GEMV's one-n8-tile limit: above it x takes two n8 tiles (kbit_gemv.cuh).
 constexpr int kGemvOneTileM = 8;
 bool wgmma_supported();

@@ -1247,8 +1247,10 @@ constexpr int kShortChunk = 48;
 template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, int* out) {
   int mt = tile_m(p.m);
   const int cost128 = env_int("KBIT_WGMMA_SPLIT_COST", kSplitCost128);  // the split cost at MT = 128
-  if (mt == 256 && splits > 1) mt = 128;  // the tall CTA does not split K
-  if (mt == 128 && splits == 0 && env_int("KBIT_WGMMA_TILE_M", 0) == 0 &&
+  // the tall CTA does not split K: a forced split, or forced cluster groups, keep 128 tokens
+  const bool forced_split = splits > 1 || env_int("KBIT_WGMMA_GROUPS", 0) >= 2;
+  if (mt == 256 && forced_split) mt = 128;
+  if (mt == 128 && splits == 0 && !forced_split && env_int("KBIT_WGMMA_TILE_M", 0) == 0 &&
       choose_tall(p.m, p.n, p.ku_count, num_sms, occupancy_for<BITS, T>(128, 256, 2, 1), cost128))
     mt = 256;
   const int gz = div_up(p.m, mt);

@@ -496,18 +496,20 @@ def test_auto_dispatch_thresholds(bits):
     wg = torch.ops.kbit.has_wgmma()
     expect = [(1, narrow, PATH_GEMV), (8, wide, PATH_GEMV), (9, narrow, PATH_GEMV), (g, narrow, PATH_GEMV),
               (9, wide, PATH_GEMV), (g, wide, PATH_GEMV)]
-    if wg:  # Hopper builds with 9.0a: wgmma from the GEMV limit to wgmma_max_m, then dequantize + cuBLAS
-        w = torch.ops.kbit.wgmma_max_m(bits)
-        assert w + 1 >= d
-        expect += [(g + 1, narrow, PATH_WGMMA), (d, narrow, PATH_WGMMA), (w, narrow, PATH_WGMMA),
-                   (w + 1, narrow, PATH_DEQUANT)]
+    if wg:  # Hopper builds with 9.0a: wgmma from the GEMV limit to wgmma_short_max_m, then to
+        # wgmma_max_m where its plan takes 256-token tiles, then dequantize + cuBLAS
+        s, w = torch.ops.kbit.wgmma_short_max_m(bits), torch.ops.kbit.wgmma_max_m(bits)
+        assert d <= s < w
+        tall = torch.ops.kbit.wgmma_plan(w, narrow, k, bits, torch.float16)[0] == 256
+        expect += [(g + 1, narrow, PATH_WGMMA), (d, narrow, PATH_WGMMA), (s, narrow, PATH_WGMMA),
+                   (w, narrow, PATH_WGMMA if tall else PATH_DEQUANT), (w + 1, narrow, PATH_DEQUANT)]
     else:  # elsewhere the mma.sync kernel up to dequant_min_m
         expect += [(d, narrow, PATH_DEQUANT)]
         if torch.ops.kbit.has_mma():
             expect += [(g + 1, narrow, PATH_MMA), (d - 1, narrow, PATH_MMA)]
     cases = {}
     for m, n, path in expect:
-        assert torch.ops.kbit.auto_path(m, bits) == path, (m, n)
+        assert torch.ops.kbit.auto_path(m, n, k, bits, torch.float16) == path, (m, n)
         if n not in cases:
             cases[n] = _case(n, k, bits)
         _, _, packed, ap, _, cb = cases[n]

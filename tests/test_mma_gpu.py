@@ -99,7 +99,7 @@ def test_auto_path_matches_forced():
     m, n, k, bits = 100, 1000, 2048, 4
     packed, absmax, cb, w = weight(n, k, bits)
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    if torch.ops.kbit.auto_path(m, bits) != MMA_PATH:
+    if torch.ops.kbit.auto_path(m, n, k, bits, torch.float16) != MMA_PATH:
         pytest.skip("another path serves this M here (the wgmma kernel on Hopper builds)")
     y_auto = torch.ops.kbit.gemm(x, packed, absmax, cb, bits, n, k, None)
     y_mma = run(x, packed, absmax, cb, bits, n, k)

@@ -16,7 +16,7 @@ from gemm_cases import weight
 
 pytestmark = pytest.mark.gpu
 
-WGMMA_PATH = 4
+DEQUANT_PATH, WGMMA_PATH = 3, 4
 ALL_M = [17, 31, 32, 33, 48, 64, 127, 128, 255, 256, 512, 1000, 1024, 4096]
 
 
@@ -119,17 +119,22 @@ def test_wide_ctas(m, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tall_tiles(bits, dtype, monkeypatch):
     # 256-token tiles (Cfg::kTall: 128 columns, each warp one row tile of its plane words),
-    # forced at every M: one partial tile (17), two (300), four (1000); N = 4104 ends in a
-    # partial slab, so the last 128-column CTA has one slab partly and one wholly past N. Both
-    # y stores (TMA where N % 8 == 0, else element by element: N = 1004) must agree bitwise. The
-    # tall CTA never splits K: a forced split falls back to 128-token tiles.
+    # forced at every M: one partial tile (17), two (257: one row in the second, 300), four
+    # (1000); N = 4104 ends in a partial slab, so the last 128-column CTA has one slab partly
+    # and one wholly past N. Both y stores (TMA where N % 8 == 0, else element by element:
+    # N = 1004) must agree bitwise. The tall CTA never splits K: a forced split, or forced
+    # cluster groups, fall back to 128-token tiles.
     monkeypatch.setenv("KBIT_WGMMA_TILE_M", "256")
-    for m in (17, 300, 1000):
+    for m in (17, 257, 300, 1000):
         p = plan(m, 4104, 4128, bits, dtype)
         assert (p["tile_m"], p["cols"], p["splits"], p["grid"][1]) == (256, 128, 1, -(-m // 256)), p
         check(m, 4104, 4128, bits, dtype, bias=(m != 300))
     assert plan(300, 4104, 4128, bits, dtype, splits=3)["tile_m"] == 128
     check(300, 4104, 4128, bits, dtype, bias=True, splits=3)
+    monkeypatch.setenv("KBIT_WGMMA_GROUPS", "2")
+    assert (lambda p: (p["tile_m"], p["groups"]))(plan(300, 4104, 4128, bits, dtype)) == (128, 2)
+    check(300, 4104, 4128, bits, dtype, bias=True)
+    monkeypatch.delenv("KBIT_WGMMA_GROUPS")
     outs, (packed, absmax, cb, b) = check(300, 1000, 4128, bits, dtype, bias=True)
     monkeypatch.setenv("KBIT_WGMMA_Y_TMA", "0")
     for x, y in outs:
@@ -321,17 +326,32 @@ def test_deterministic(m, n, k, bits, dtype):
         assert torch.equal(y.view(torch.int16), y2.view(torch.int16)), "not bitwise deterministic"
 
 
-def test_auto_path_uses_wgmma():
-    # kbit::gemm's own dispatch gives the same bits as the forced wgmma path above the GEMV limit
-    n, k, bits = 1000, 2048, 4
+@pytest.mark.parametrize("bits,ms", [
+    (4, (17, 64, 1023, 1040, 1500, 3072, 3073)),  # 1040: a last 256-token tile of 16 rows
+    (5, (17, 512, 520, 1000, 1024, 1025)),         # 520: likewise (8 rows)
+])
+def test_auto_path_follows_the_plan(bits, ms):
+    # kbit::gemm's own dispatch gives the bits of the path auto_path names, and auto_path names
+    # wgmma above the GEMV limit up to wgmma_short_max_m, then up to wgmma_max_m only where the
+    # wgmma plan takes 256-token tiles (else dequantize + cuBLAS, which gives other bits)
+    n, k = 4104, 4128
     packed, absmax, cb, w = weight(n, k, bits)
-    lo, hi = torch.ops.kbit.gemv_max_m(bits), torch.ops.kbit.wgmma_max_m(bits)
-    assert lo < hi
-    for m in (lo + 1, 64, hi):
+    lo, short, hi = (getattr(torch.ops.kbit, f)(bits) for f in ("gemv_max_m", "wgmma_short_max_m", "wgmma_max_m"))
+    assert lo < short < hi and hi + 1 == ms[-1]
+    above = []
+    for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        tall = m <= hi and plan(m, n, k, bits, torch.bfloat16)["tile_m"] == 256
+        expect = WGMMA_PATH if m <= short or tall else DEQUANT_PATH
+        assert torch.ops.kbit.auto_path(m, n, k, bits, torch.bfloat16) == expect, m
         y_auto = torch.ops.kbit.gemm(x, packed, absmax, cb, bits, n, k, None)
-        y_wg = gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, n, k)
-        assert torch.equal(y_auto, y_wg), f"m={m}"
+        y_named = gemm_cases.run(expect, x, packed, absmax, cb, bits, n, k)
+        assert torch.equal(y_auto, y_named), f"m={m}"
+        if m > short:
+            above.append(expect)
+            other = gemm_cases.run({WGMMA_PATH: DEQUANT_PATH, DEQUANT_PATH: WGMMA_PATH}[expect], x, packed, absmax, cb, bits, n, k)
+            assert not torch.equal(y_auto, other), f"m={m}: both paths give the same bits, the test cannot tell them apart"
+    assert set(above) == {WGMMA_PATH, DEQUANT_PATH}, above  # both outcomes above the short limit
 
 
 def test_cuda_graph_capture():
