@@ -18,7 +18,7 @@
 //     traffic per weight; only when forced since the TMA loads, plan_t); or two that split each
 //     unit's row tiles between them (row split R = 2: at MT = 128 so that the accumulators fit,
 //     at MT = 64 and short-K MT = 32 for 16 warps per SM, plan_t). At MT = 256 (the tall CTA,
-//     Cfg::kTall, from 321 rows on the layers where choose_tall takes it) 128 columns: each warp
+//     Cfg::kTall, from 192 rows on the layers where choose_tall takes it) 128 columns: each warp
 //     multiplies one row tile of its plane words at n = 256, so each weight is decoded once per
 //     256 tokens.
 //   * per 32-block: decode (kbit_decode.cuh: the GEMV's pair tables, codebook pre-multiplied
@@ -1079,11 +1079,16 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
 // against 653 at M = 448, 8192x28672 471 against 311; the rows past M, docs/MMA.md). Fitted on the H200 to a sweep of both forced, eight shapes,
 // M = 320..1000 (K=4; tests/test_wgmma_plan.py replays it): the pick runs within 4% of the faster
 // everywhere except five cases where the 128-token plan it keeps is 5-16% slower.
-// KBIT_WGMMA_TILE_M = 256 / 128 forces either (tile_m).
-constexpr int kTallMinM = 257;
+// One tile from 192 rows: at M = 192..256 the same cost model takes it on the wide layers
+// (28672x4096 99.5 against 109.4 us at M = 192, 57344x8192 382 / 397; the 8B step 0.94-0.97x at
+// K = 2..5, the 70B layers' 0.93x), while at M = 160 the tall tile ran slower there (118 / 108,
+// 451 / 396 us; the step 1.07x), not understood either (H200, tall_one_tile_probe_2535e04.json).
+// KBIT_WGMMA_TALL_MIN_M overrides the 192 (A/B);
+// KBIT_WGMMA_TILE_M = 256 / 128 forces either tile (tile_m).
+constexpr int kTallMinM = 192;
 constexpr int kTallK = 88;  // tenths of choose_splits' units
 inline bool choose_tall(int m, int n, int ku, int num_sms, const Occupancy& occ128, int split_cost) {
-  if (m < kTallMinM || m - 256 * (div_up(m, 256) - 1) <= 64) return false;
+  if (m < env_int("KBIT_WGMMA_TALL_MIN_M", kTallMinM) || m - 256 * (div_up(m, 256) - 1) <= 64) return false;
   const long long tiles128 = (long long)div_up(n_units(n), 256 / kUnitN) * div_up(m, 128);
   const long long tiles_tall = (long long)div_up(n_units(n), 128 / kUnitN) * div_up(m, 256);
   long long cost128 = 0;

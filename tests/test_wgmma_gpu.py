@@ -283,12 +283,14 @@ def test_split_cost_at_tile_128(monkeypatch):
 
 def test_tall_pick():
     # plan_t takes 256-token tiles (unsplit) where choose_tall's cost beats the 128-token plan's:
-    # never below 257 rows; not where 128-token splits fill the SMs that too few tall CTAs leave
-    # idle (4096x4096 and 4096x14336 at M = 512: 64 tall CTAs); yes on wide layers and at M ~ 1000
-    # (tests/test_wgmma_plan.py replays the choice against measured times).
+    # never below 192 rows; not where 128-token splits fill the SMs that too few tall CTAs leave
+    # idle (4096x4096 and 4096x14336 at M = 512: 64 tall CTAs); yes on wide layers from one tile
+    # at M = 192 and at M ~ 1000 (tests/test_wgmma_plan.py replays the choice against measured times).
     for n, k in ((4096, 4096), (28672, 4096), (57344, 8192)):
-        assert plan(256, n, k, 4)["tile_m"] == 128
+        assert plan(160, n, k, 4)["tile_m"] == 128
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert plan(256, 4096, 4096, 4)["tile_m"] == 128 and plan(256, 4096, 14336, 4)["tile_m"] == 128
+        assert plan(192, 28672, 4096, 4)["tile_m"] == 256 and plan(256, 57344, 8192, 4)["tile_m"] == 256
         assert plan(512, 4096, 4096, 4)["tile_m"] == 128 and plan(512, 4096, 14336, 4)["tile_m"] == 128
         for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192)):
             p = plan(1000, n, k, 4)
