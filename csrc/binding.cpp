@@ -299,6 +299,7 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const at::Tensor* bias = bias_opt.has_value() && bias_opt->defined() ? &*bias_opt : nullptr;
   const void* bias_ptr = bias != nullptr ? bias->data_ptr() : nullptr;
   const int num_sms = device_props(x).multiProcessorCount;
+  // (kAuto with forced splits, a tuning call: the path is chosen as for splits = 0)
   if (path == kAuto) path = auto_path(a.dtype, a.m, a.n, a.k, bits, num_sms);
   TORCH_CHECK(path >= kGemv && path <= kWgmma, msg("kbit::gemm_path: path must be 0..4, got ", path));
   TORCH_CHECK(path != kWgmma || wgmma_supported(), msg("kbit::gemm_path: the wgmma path needs a build with ",
@@ -391,6 +392,8 @@ int64_t auto_path_op(int64_t m, int64_t n, int64_t k, int64_t bits, at::ScalarTy
   check_bits(bits);
   TORCH_CHECK(m > 0 && n > 0 && k > 0 && k % kBlockSize == 0,
               msg("kbit::auto_path: bad shape M = ", m, ", N = ", n, ", K = ", k));
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
+              msg("kbit::auto_path: dtype must be float16 or bfloat16 (kbit::gemm's), got ", dtype));
   return auto_path(to_dtype(dtype), m, n, k, bits, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
 }
 

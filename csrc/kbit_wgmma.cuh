@@ -714,8 +714,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
       }
     return;
   }
-  // unsplit only: plan_t never splits it, except under a forced KBIT_WGMMA_GROUPS >= 2 (a tuning
-  // override), which reaches this trap: a known gap, docs/MMA.md (thirty-fourth session)
+  // unsplit only: unreachable, plan_t keeps 128-token tiles under a forced split and under forced
+  // cluster groups (KBIT_WGMMA_GROUPS >= 2)
   if constexpr (C::kTall) __trap();
   // split-K: partials to this CTA's shared memory ([element][thread], conflict-free), then CTA
   // `rank` of the cluster sums its slice of the elements over the cluster's CTAs in rank order.
@@ -1082,7 +1082,8 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
 // One tile from 192 rows: at M = 192..256 the same cost model takes it on the wide layers
 // (28672x4096 99.5 against 109.4 us at M = 192, 57344x8192 382 / 397; the 8B step 0.94-0.97x at
 // K = 2..5, the 70B layers' 0.93x), while at M = 160 the tall tile ran slower there (118 / 108,
-// 451 / 396 us; the step 1.07x), not understood either (H200, tall_one_tile_probe_2535e04.json).
+// 451 / 396 us; the step 1.07x): the rows past M again, whose TMA zero fill is what costs (two
+// probes that skip them, docs/MMA.md; H200, tall_one_tile_probe_2535e04.json).
 // KBIT_WGMMA_TALL_MIN_M overrides the 192 (A/B);
 // KBIT_WGMMA_TILE_M = 256 / 128 forces either tile (tile_m).
 constexpr int kTallMinM = 192;
@@ -1151,7 +1152,9 @@ inline int choose_groups(long long tiles, int ku, int num_sms, const Occupancy& 
 // KBIT_WGMMA_MAX_SPLITS = 1..16 (the largest cluster choose_splits considers),
 // KBIT_WGMMA_SPLIT_COST = 0.. (choose_splits' reduction cost at MT = 128; 0 = the plan before it),
 // KBIT_WGMMA_GROUPS = 1 | G (choose_groups), KBIT_WGMMA_Y_TMA = 0 (unsplit calls store y
-// element by element instead of through shared memory and TMA; A/B and the tests).
+// element by element instead of through shared memory and TMA; A/B and the tests),
+// KBIT_WGMMA_TALL_MIN_M (choose_tall's first M). Above wgmma_short_max_m the tile they give also
+// picks kbit::gemm's path (auto_path: wgmma only at 256-token tiles).
 // (256-token tiles: plan_t asks choose_tall where this gives 128)
 inline int tile_m(int m) {
   const int t = env_int("KBIT_WGMMA_TILE_M", 0);

@@ -46,7 +46,8 @@ CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)[, KBIT_WGMMA_ONE
     (17, 200, 2048, 3, torch.bfloat16, False, 0, "-1", "0", "256"),   # one tile, a slab past N
     (260, 300, 1024, 5, torch.bfloat16, True, 1, "-1", "0", "256"),   # N % 8 != 0: element stores
     (257, 130, 2048, 2, torch.float16, True, 0, "-1", "0", "256"),    # a second tile of one row
-    (300, 264, 1056, 4, torch.bfloat16, True, 0, "-1", "2", "256"),   # forced groups: 128-token tiles instead
+    # forced groups: 128-token tiles (with 17 K-tiles the plan's split leaves G = 1)
+    (300, 264, 1056, 4, torch.bfloat16, True, 0, "-1", "2", "256"),
 ]
 
 

@@ -228,7 +228,10 @@ def test_cluster_groups_plan(zeroed, monkeypatch):
         p = plan(m, n, k, 4)
         assert p["groups"] == 2 and p["splits"] == 2 and p["grid"][0] == 4, (m, p)
     assert plan(256, 4096, 4096, 4)["groups"] == 1 and plan(256, 3584, 18944, 4)["groups"] == 1
-    assert plan(256, 28672, 4096, 4)["groups"] == 1 and plan(64, n, k, 4)["groups"] == 1
+    with monkeypatch.context() as mp:  # the wide layer at 128-token tiles (the plan takes 256 there)
+        mp.setenv("KBIT_WGMMA_TILE_M", "128")
+        assert plan(256, 28672, 4096, 4)["groups"] == 1
+    assert plan(64, n, k, 4)["groups"] == 1
     assert plan(256, n, k, 4, splits=3)["groups"] == 1
     for bits, dtype in ((2, torch.bfloat16), (3, torch.float16), (4, torch.bfloat16), (5, torch.float16)):
         m = 200 if bits % 2 else 256  # two token tiles either way (a partial second one at 200)
@@ -242,12 +245,15 @@ def test_cluster_groups_plan(zeroed, monkeypatch):
     assert plan(256, n, k, 4)["groups"] == 1
 
 
-def test_row_split_plan():
-    # one warpgroup at 16 tokens; two at 64 and 128; at 32 where a CTA runs <= 48 K-tiles
+def test_row_split_plan(monkeypatch):
+    # one warpgroup at 16 tokens; two at 64 and 128 (forced at M = 200, where the plan takes the
+    # 256-token tile, whose two warpgroups are fixed); at 32 where a CTA runs <= 48 K-tiles
     # (kShortChunk)
     assert plan(16, 57344, 8192, 4)["row_split"] == 1 and plan(9, 1000, 4128, 4)["row_split"] == 1
-    for m in (64, 200):
-        assert plan(m, 57344, 8192, 4)["row_split"] == 2
+    assert plan(64, 57344, 8192, 4)["row_split"] == 2
+    with monkeypatch.context() as mp:
+        mp.setenv("KBIT_WGMMA_TILE_M", "128")
+        assert plan(200, 57344, 8192, 4)["row_split"] == 2
     p_short = plan(32, 4096, 14336, 4)
     assert p_short["row_split"] == (2 if -(-224 // p_short["splits"]) <= 48 else 1), p_short
     p_long = plan(32, 57344, 8192, 4)
@@ -351,8 +357,9 @@ def test_auto_path_follows_the_plan(bits, ms):
         assert torch.equal(y_auto, y_named), f"m={m}"
         if m > short:
             above.append(expect)
-            other = gemm_cases.run({WGMMA_PATH: DEQUANT_PATH, DEQUANT_PATH: WGMMA_PATH}[expect], x, packed, absmax, cb, bits, n, k)
-            assert not torch.equal(y_auto, other), f"m={m}: both paths give the same bits, the test cannot tell them apart"
+            other_path = {WGMMA_PATH: DEQUANT_PATH, DEQUANT_PATH: WGMMA_PATH}[expect]
+            other = gemm_cases.run(other_path, x, packed, absmax, cb, bits, n, k)
+            assert not torch.equal(y_auto, other), f"m={m}: both paths give the same bits: the test cannot tell"
     assert set(above) == {WGMMA_PATH, DEQUANT_PATH}, above  # both outcomes above the short limit
 
 

@@ -146,3 +146,28 @@ def test_tall_pick_replay(replay):
         if got > 1.04 * min(t["128"], t["256"]) and not (c in missed and not picks[c]):
             slow[c] = (picks[c], round(got / min(t["128"], t["256"]), 3))
     assert not slow, slow
+
+
+ONE_TILE_PROBE = "tall_one_tile_probe_2535e04.json"
+
+
+def test_tall_one_tile_replay(replay):
+    # one 256-token tile at M = 160..256 (both tiles forced, eight shapes, K=4; the probe that set
+    # kTallMinM = 192): the pick must run within 4% of the faster of the two, except 10240x8192 at
+    # M = 160, below the limit, whose tall tile ran 9% faster (the two widest layers lost 9-14%
+    # there with theirs)
+    with open(os.path.join(ROOT, "benchmarks", "results", ONE_TILE_PROBE)) as f:
+        recs = [r for r in json.load(f)["results"] if r["config"] in ("gemm_t128", "gemm_t256")]
+    runs = collections.defaultdict(lambda: collections.defaultdict(list))
+    for r in recs:
+        runs[(r["n"], r["k"], r["m"])][r["config"][-3:]].append(r["us"])
+    cases = {c: {t: sum(v) / len(v) for t, v in d.items()} for c, d in runs.items()}
+    assert len(cases) == 32
+    picks = replay(cases, tall=True)
+    assert sum(picks.values()) >= 6 and not any(picks[c] for c in cases if c[2] < 192)
+    slow = {}
+    for c, t in cases.items():
+        got = t["256"] if picks[c] else t["128"]
+        if got > 1.04 * min(t["128"], t["256"]):
+            slow[c] = (picks[c], round(got / min(t["128"], t["256"]), 3))
+    assert set(slow) == {(10240, 8192, 160)}, slow
