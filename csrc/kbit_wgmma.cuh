@@ -1076,9 +1076,10 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
 // its CTAs leave SMs idle the 128-token plan's split wins (4096x4096 and 4096x14336 at M = 512: 64
 // tall CTAs, 50.3 / 152.1 us against 38.6 / 103.1). Never where the last token tile holds 64 rows
 // or fewer: those ran far slower than a full tile on the same grid (57344x8192 at M = 320 844 us
-// against 653 at M = 448, 8192x28672 471 against 311; the rows past M, docs/MMA.md). Fitted on the H200 to a sweep of both forced, eight shapes,
-// M = 320..1000 (K=4; tests/test_wgmma_plan.py replays it): the pick runs within 4% of the faster
-// everywhere except five cases where the 128-token plan it keeps is 5-16% slower.
+// against 653 at M = 448, 8192x28672 471 against 311; the rows past M, docs/MMA.md). Fitted on
+// the H200 to a sweep of both forced, eight shapes, M = 320..1000 (K=4; tests/test_wgmma_plan.py
+// replays it): the pick runs within 4% of the faster everywhere except five cases where the
+// 128-token plan it keeps is 5-16% slower.
 // One tile from 192 rows: at M = 192..256 the same cost model takes it on the wide layers
 // (28672x4096 99.5 against 109.4 us at M = 192, 57344x8192 382 / 397; the 8B step 0.94-0.97x at
 // K = 2..5, the 70B layers' 0.93x), while at M = 160 the tall tile ran slower there (118 / 108,
@@ -1255,8 +1256,9 @@ constexpr int kShortChunk = 48;
 template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, int* out) {
   int mt = tile_m(p.m);
   const int cost128 = env_int("KBIT_WGMMA_SPLIT_COST", kSplitCost128);  // the split cost at MT = 128
+  const int groups_env = env_int("KBIT_WGMMA_GROUPS", 0);  // cluster groups: 0 = choose_groups
   // the tall CTA does not split K: a forced split, or forced cluster groups, keep 128 tokens
-  const bool forced_split = splits > 1 || env_int("KBIT_WGMMA_GROUPS", 0) >= 2;
+  const bool forced_split = splits > 1 || groups_env >= 2;
   if (mt == 256 && forced_split) mt = 128;
   if (mt == 128 && splits == 0 && !forced_split && env_int("KBIT_WGMMA_TILE_M", 0) == 0 &&
       choose_tall(p.m, p.n, p.ku_count, num_sms, occupancy_for<BITS, T>(128, 256, 2, 1), cost128))
@@ -1281,7 +1283,6 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
                  one_per_sm_deeper<BITS>(), spread, &s, &p.chunk))
     cps = 1, spread = false;
   // cluster groups (choose_groups): s becomes the cluster size, the grid s x groups along K
-  const int groups_env = env_int("KBIT_WGMMA_GROUPS", 0);
   int groups = 1;
   if (groups_env >= 2) {
     groups = groups_env;

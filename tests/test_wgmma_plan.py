@@ -120,14 +120,27 @@ def test_cluster_groups_picks(replay):
 TALL_SWEEP = "bench_gemm_wgmma_tall_sweep_0dd8999.json"
 
 
-def tall_times():
-    """{(n, k, m): {"128": us, "256": us, "auto": us}} of the tall sweep, each the mean of its runs."""
-    with open(os.path.join(ROOT, "benchmarks", "results", TALL_SWEEP)) as f:
+def tall_times(name=TALL_SWEEP, tile=lambda r: r["knobs"].get("KBIT_WGMMA_TILE_M", "auto")):
+    """{(n, k, m): {tile: us}} of a results file whose records `tile` labels ("128", "256", or
+    "auto" in the tall sweep; None: not a tile timing), each the mean of its runs."""
+    with open(os.path.join(ROOT, "benchmarks", "results", name)) as f:
         recs = json.load(f)["results"]
     runs = collections.defaultdict(lambda: collections.defaultdict(list))
     for r in recs:
-        runs[(r["n"], r["k"], r["m"])][r["knobs"].get("KBIT_WGMMA_TILE_M", "auto")].append(r["us"])
+        if tile(r) is not None:
+            runs[(r["n"], r["k"], r["m"])][tile(r)].append(r["us"])
     return {c: {t: sum(v) / len(v) for t, v in d.items()} for c, d in runs.items()}
+
+
+def slow_tall_picks(cases, picks):
+    """{case: (pick, time / faster time)} where the replay's tile choice ran over 4% slower than
+    the faster of the two forced tiles."""
+    slow = {}
+    for c, t in cases.items():
+        got = t["256"] if picks[c] else t["128"]
+        if got > 1.04 * min(t["128"], t["256"]):
+            slow[c] = (picks[c], round(got / min(t["128"], t["256"]), 3))
+    return slow
 
 
 def test_tall_pick_replay(replay):
@@ -140,11 +153,7 @@ def test_tall_pick_replay(replay):
     assert len(cases) == 72
     picks = replay(cases, tall=True)
     assert sum(picks.values()) >= 30  # it does take them
-    slow = {}
-    for c, t in cases.items():
-        got = t["256"] if picks[c] else t["128"]
-        if got > 1.04 * min(t["128"], t["256"]) and not (c in missed and not picks[c]):
-            slow[c] = (picks[c], round(got / min(t["128"], t["256"]), 3))
+    slow = {c: v for c, v in slow_tall_picks(cases, picks).items() if not (c in missed and not picks[c])}
     assert not slow, slow
 
 
@@ -156,18 +165,9 @@ def test_tall_one_tile_replay(replay):
     # kTallMinM = 192): the pick must run within 4% of the faster of the two, except 10240x8192 at
     # M = 160, below the limit, whose tall tile ran 9% faster (the two widest layers lost 9-14%
     # there with theirs)
-    with open(os.path.join(ROOT, "benchmarks", "results", ONE_TILE_PROBE)) as f:
-        recs = [r for r in json.load(f)["results"] if r["config"] in ("gemm_t128", "gemm_t256")]
-    runs = collections.defaultdict(lambda: collections.defaultdict(list))
-    for r in recs:
-        runs[(r["n"], r["k"], r["m"])][r["config"][-3:]].append(r["us"])
-    cases = {c: {t: sum(v) / len(v) for t, v in d.items()} for c, d in runs.items()}
+    cases = tall_times(ONE_TILE_PROBE, lambda r: {"gemm_t128": "128", "gemm_t256": "256"}.get(r["config"]))
     assert len(cases) == 32
     picks = replay(cases, tall=True)
     assert sum(picks.values()) >= 6 and not any(picks[c] for c in cases if c[2] < 192)
-    slow = {}
-    for c, t in cases.items():
-        got = t["256"] if picks[c] else t["128"]
-        if got > 1.04 * min(t["128"], t["256"]):
-            slow[c] = (picks[c], round(got / min(t["128"], t["256"]), 3))
+    slow = slow_tall_picks(cases, picks)
     assert set(slow) == {(10240, 8192, 160)}, slow

@@ -3,7 +3,8 @@
 // and run by tests/test_wgmma_plan.py with nvcc as host code. Reads "n k m" lines on stdin and
 // prints "n k m splits ctas_per_sm groups cluster tall" for each: the cluster split before groups,
 // the CTAs per SM the kernel is built for (KBIT_WGMMA_ONE forces one at MT = 64), the cluster
-// groups and their CTAs per cluster, then 1 where plan_t takes 256-token tiles; with the H200's occupancy (cudaOccupancyMaxActiveClusters for
+// groups and their CTAs per cluster, then 1 where plan_t takes 256-token tiles; with the H200's
+// occupancy (cudaOccupancyMaxActiveClusters for
 // s = 1..16, measured on the device for every instantiation, docs/MMA.md): 128-token tiles and
 // the 64-token tile built for one CTA per SM run one 227 KB CTA per SM; the 16..64-token tiles
 // built for two, two ~110 KB CTAs per SM packed, or one per SM spread. Optional argv[1]: the
