@@ -20,7 +20,7 @@
 //     at MT = 64 and short-K MT = 32 for 16 warps per SM, plan_t). At MT = 256 (the tall CTA,
 //     Cfg::kTall, from 192 rows on the layers where choose_tall takes it) 128 columns: each warp
 //     multiplies one row tile of its plane words at n = 256, so each weight is decoded once per
-//     256 tokens.
+//     256 tokens; split along K in one cluster where too few tall CTAs would leave SMs idle.
 //   * per 32-block: decode (kbit_decode.cuh: the GEMV's pair tables, codebook pre-multiplied
 //     by the E4M4 constant, then one HMUL2 by the block's scale) -> 8 wgmma (4 row tiles x
 //     2 k16 steps) into two alternating A buffers: block b+1 decodes while block b multiplies
@@ -113,7 +113,8 @@ template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
   // The tall CTA (MT = 256): 128 columns x 256 tokens, two consumer warpgroups of one m64n256
   // accumulator set each (128 fp32 a thread, as at MT = 128): warp w of warpgroup wg multiplies
   // row tile 2 wg + (w >> 1) of slab w & 1, so each decoded weight feeds 256 tokens instead of
-  // 128 (half the decode per MMA) for twice the x bytes per K-tile. Unsplit only (plan_t).
+  // 128 (half the decode per MMA) for twice the x bytes per K-tile. Split-K in one cluster only
+  // (no cluster groups, plan_t).
   static constexpr bool kTall = MT == 256;
   static_assert(!kTall || (CN == 128 && R == 2 && CPS == 1), "the tall CTA: 128 columns, two warpgroups, one per SM");
   static_assert(!(R == 1 && MT == 128), "128 x 64 fp32 accumulators per thread do not fit the registers");
@@ -714,9 +715,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
       }
     return;
   }
-  // unsplit only: unreachable, plan_t keeps 128-token tiles under a forced split and under forced
-  // cluster groups (KBIT_WGMMA_GROUPS >= 2)
-  if constexpr (C::kTall) __trap();
+  // (the tall CTA splits K in one cluster only: plan_t keeps 128-token tiles under forced cluster
+  // groups, KBIT_WGMMA_GROUPS >= 2)
   // split-K: partials to this CTA's shared memory ([element][thread], conflict-free), then CTA
   // `rank` of the cluster sums its slice of the elements over the cluster's CTAs in rank order.
   // With p.groups > 1 the K range is split over that many clusters (plan_t, choose_groups): each
@@ -750,17 +750,19 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   // think), so those kernels keep the per-element store and their code as before.
   // KBIT_WG_DEV_STORE4_PER_ELEMENT builds the per-element store everywhere (A/B).
 #ifndef KBIT_WG_DEV_STORE4_PER_ELEMENT
-  constexpr bool kHoisted = MT == 128;
+  constexpr bool kHoisted = MT >= 128;
 #else
   constexpr bool kHoisted = false;
 #endif
+  // thread th's slab and first row tile, as `slab` and `pr0` at the top for th = tid
+  const auto slab_of = [](int th) { return C::kTall ? ((th >> 5) & 1) : R > 1 ? ((th >> 5) & 3) : (th >> 5); };
+  const auto pr0_of = [](int th) { return C::kTall ? 2 * (th >> 7) + ((th >> 6) & 1) : R > 1 ? 2 * (th >> 7) : 0; };
   int col_u[4] = {}, row_u[4] = {};
   if constexpr (kHoisted) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int th = (e0 + 4 * tid) % kThreads + u, l_ = th & 31;
-      const int slab_ = R > 1 ? ((th >> 5) & 3) : (th >> 5);
-      col_u[u] = (col_group() * C::kSlabsCta + slab_) * kUnitN + (R > 1 ? 32 * (th >> 7) : 0) + (l_ >> 2);
+      col_u[u] = (col_group() * C::kSlabsCta + slab_of(th)) * kUnitN + 16 * pr0_of(th) + (l_ >> 2);
       row_u[u] = m0 + 2 * (l_ & 3);
     }
   }
@@ -774,9 +776,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
       if constexpr (kHoisted) {
         col = col_u[u] + 16 * r + 8 * (e >> 1), row = row_u[u] + 8 * j + (e & 1);
       } else {
-        const int th = E % kThreads + u, l_ = th & 31, pr = r + (R > 1 ? 2 * (th >> 7) : 0);
-        const int slab_ = R > 1 ? ((th >> 5) & 3) : (th >> 5);
-        col = (col_group() * C::kSlabsCta + slab_) * kUnitN + 16 * pr + 8 * (e >> 1) + (l_ >> 2);
+        const int th = E % kThreads + u, l_ = th & 31, pr = r + pr0_of(th);
+        col = (col_group() * C::kSlabsCta + slab_of(th)) * kUnitN + 16 * pr + 8 * (e >> 1) + (l_ >> 2);
         row = m0 + 8 * j + 2 * (l_ & 3) + (e & 1);
       }
       if (col < p.n && row < p.m) {
@@ -1070,34 +1071,6 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
   return best;
 }
 
-// 256-token tiles (Cfg::kTall: 128 columns, unsplit) or the 128-token plan, by choose_splits'
-// cost in its units: a tall CTA's K-tile costs kTallK / 10 of choose_splits' units (0.88 of a lone
-// 128-token CTA's K-tile at kAlone = 10), and no fixed cost. The tall CTA cannot split K, so where
-// its CTAs leave SMs idle the 128-token plan's split wins (4096x4096 and 4096x14336 at M = 512: 64
-// tall CTAs, 50.3 / 152.1 us against 38.6 / 103.1). Never where the last token tile holds 64 rows
-// or fewer: those ran far slower than a full tile on the same grid (57344x8192 at M = 320 844 us
-// against 653 at M = 448, 8192x28672 471 against 311; the rows past M, docs/MMA.md). Fitted on
-// the H200 to a sweep of both forced, eight shapes, M = 320..1000 (K=4; tests/test_wgmma_plan.py
-// replays it): the pick runs within 4% of the faster everywhere except five cases where the
-// 128-token plan it keeps is 5-16% slower.
-// One tile from 192 rows: at M = 192..256 the same cost model takes it on the wide layers
-// (28672x4096 99.5 against 109.4 us at M = 192, 57344x8192 382 / 397; the 8B step 0.94-0.97x at
-// K = 2..5, the 70B layers' 0.93x), while at M = 160 the tall tile ran slower there (118 / 108,
-// 451 / 396 us; the step 1.07x): the rows past M again, whose TMA zero fill is what costs (two
-// probes that skip them, docs/MMA.md; H200, tall_one_tile_probe_2535e04.json).
-// KBIT_WGMMA_TALL_MIN_M overrides the 192 (A/B);
-// KBIT_WGMMA_TILE_M = 256 / 128 forces either tile (tile_m).
-constexpr int kTallMinM = 192;
-constexpr int kTallK = 88;  // tenths of choose_splits' units
-inline bool choose_tall(int m, int n, int ku, int num_sms, const Occupancy& occ128, int split_cost) {
-  if (m < env_int("KBIT_WGMMA_TALL_MIN_M", kTallMinM) || m - 256 * (div_up(m, 256) - 1) <= 64) return false;
-  const long long tiles128 = (long long)div_up(n_units(n), 256 / kUnitN) * div_up(m, 128);
-  const long long tiles_tall = (long long)div_up(n_units(n), 128 / kUnitN) * div_up(m, 256);
-  long long cost128 = 0;
-  choose_splits(tiles128, ku, num_sms, occ128, split_cost, &cost128);
-  return div_up(tiles_tall, (long long)num_sms) * ku * kTallK < cost128 * 10;
-}
-
 // The split of a plan: `forced` (> 0) or choose_splits' pick, clamped to the device's largest
 // cluster and the K-tiles, then the fewest CTAs that keep its K-tiles per CTA (`*chunk`), so no
 // CTA is empty. plan_t and the CPU replay (tests/cpp/wgmma_splits_test.cu) both go through it.
@@ -1126,7 +1099,7 @@ inline int plan_split(long long tiles, int ku, int num_sms, const Occupancy& occ
 // twice, docs/MMA.md), once the slice's stores were waited for before the counter moved.
 constexpr int kGroupSliceCost = 40;
 inline int choose_groups(long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost, int s,
-                         int* c_out) {
+                         int* c_out, long long* cost_out = nullptr) {
   constexpr int kAlone = 10, kFixed = 3 * kAlone;  // choose_splits' units, one CTA per SM
   const auto cost = [&](int c, int g) -> long long {
     const long long clusters = tiles * g, resident = occ.clusters[c][0] > 0 ? occ.clusters[c][0] : num_sms / c;
@@ -1144,7 +1117,78 @@ inline int choose_groups(long long tiles, int ku, int num_sms, const Occupancy& 
       const long long v = cost(c, g);
       if (v < best) best = v, best_g = g, *c_out = c;
     }
+  if (cost_out != nullptr) *cost_out = best;
   return best_g;
+}
+
+// 256-token tiles (Cfg::kTall: 128 columns) or the 128-token plan, by choose_splits' cost in its
+// units: a tall CTA's K-tile costs kTallK / 10 of choose_splits' units (0.88 of a lone 128-token
+// CTA's K-tile at kAlone = 10), and no fixed cost unsplit. Never where the last token tile holds 64 rows
+// or fewer: those ran far slower than a full tile on the same grid (57344x8192 at M = 320 844 us
+// against 653 at M = 448, 8192x28672 471 against 311; the rows past M, docs/MMA.md). Fitted on
+// the H200 to a sweep of both forced, eight shapes, M = 320..1000 (K=4; tests/test_wgmma_plan.py
+// replays it): the pick runs within 4% of the faster everywhere except five cases where the
+// 128-token plan it keeps is 5-16% slower.
+// One tile from 192 rows: at M = 192..256 the same cost model takes it on the wide layers
+// (28672x4096 99.5 against 109.4 us at M = 192, 57344x8192 382 / 397; the 8B step 0.94-0.97x at
+// K = 2..5, the 70B layers' 0.93x), while at M = 160 the tall tile ran slower there (118 / 108,
+// 451 / 396 us; the step 1.07x): the rows past M again, whose TMA zero fill is what costs (two
+// probes that skip them, docs/MMA.md; H200, tall_one_tile_probe_2535e04.json).
+// Split along K (thirty-sixth session): where the unsplit tall grid leaves SMs idle (fewer than
+// two waves of tall CTAs) the tall CTAs may run in clusters of 2..kTallMaxSplits along K, reduced
+// through distributed shared memory as the 128-token CTAs' splits are, at a cost of
+// kTallSplitCost + split_cost units a CTA besides its K-tiles, over the waves of clusters that fit
+// (occupancy), against the 128-token plan's cost with its cluster groups where choose_groups
+// takes them (they keep 4096x14336 at M = 192..256 at 128 tokens: 60.8 us against the tall
+// split's 63.7 at 256). Before, the 128-token plan's split won there (4096x4096 and 4096x14336 at M = 512:
+// 64 tall CTAs, 50.3 / 152.1 us against 38.6 / 103.1). Sweep of s = 1, 2, 3, 4, 6, 8 forced on
+// eight shapes, M = 192..1000, K=4 (bench_gemm_wgmma_tall_split_sweep_cc915a1.json; H200; us,
+// the plan before / the split): 4096x4096 M = 256 28.9 / 27.3 (s = 3), 512 37.2 / 34.8 (s = 2);
+// 6144x4096 M = 256 36.3 / 34.2; 4096x14336 M = 512 102.6 / 92.6; 8192x8192 M = 768 180.5 / 163.6;
+// 10240x8192 M = 512 177.9 / 161.1; 8192x28672 M = 256 191.4 / 173.5, 768 610.1 / 526.5. Clusters
+// of 4 or more were never the fastest (the H200 holds 30 of 4), and where the model took them
+// (10240x8192 at M = 192..256, three waves of clusters of 4) they ran 4-5% slower than unsplit:
+// hence kTallMaxSplits = 3. The pick runs within 4% of the fastest forced configuration on all
+// 56 cases but 4096x4096 at M = 384 (5%; tests/test_wgmma_plan.py replays it). Decode steps, split
+// against KBIT_WGMMA_TALL_SPLIT=0, alternated twice in one call (bench_decode_tall_split_ab_*.json):
+// Llama-3-8B 0.95-0.98x at M = 192..512 (K = 2..5), 1.00x at 768 and 1000; the 70B layers (16,
+// K=4) 0.96-0.99x at M = 192..768, 1.00x at 1000.
+// KBIT_WGMMA_TALL_MIN_M overrides the 192 (A/B);
+// KBIT_WGMMA_TILE_M = 256 / 128 forces either tile (tile_m); forced 256-token tiles run unsplit
+// unless the split is forced too.
+constexpr int kTallMinM = 192;
+constexpr int kTallK = 88;  // tenths of choose_splits' units
+// a split tall CTA's cost besides its K-tiles and its reduction (split_cost), in choose_splits'
+// units: its kFixed (pipeline fill, table)
+constexpr int kTallSplitCost = 30;
+constexpr int kTallMaxSplits = 3;
+// Returns 0 for the 128-token plan, else the tall plan's split (1: unsplit).
+inline int choose_tall(int m, int n, int ku, int num_sms, const Occupancy& occ128, const Occupancy& occ_tall,
+                       int split_cost) {
+  if (m < env_int("KBIT_WGMMA_TALL_MIN_M", kTallMinM) || m - 256 * (div_up(m, 256) - 1) <= 64) return 0;
+  const long long tiles128 = (long long)div_up(n_units(n), 256 / kUnitN) * div_up(m, 128);
+  const long long tiles_tall = (long long)div_up(n_units(n), 128 / kUnitN) * div_up(m, 256);
+  // the 128-token plan: its split, or cluster groups where plan_t would take them
+  long long cost128 = 0;
+  const int s128 = choose_splits(tiles128, ku, num_sms, occ128, split_cost, &cost128);
+  if (env_int("KBIT_WGMMA_GROUPS", 0) == 0) {
+    long long cost_g = cost128;
+    int c = s128;
+    choose_groups(tiles128, ku, num_sms, occ128, split_cost, s128, &c, &cost_g);
+    cost128 = cost_g < cost128 ? cost_g : cost128;
+  }
+  long long best = div_up(tiles_tall, (long long)num_sms) * ku * kTallK;  // tenths of units
+  int best_s = 1;
+  if (tiles_tall < 2 * num_sms && env_int("KBIT_WGMMA_TALL_SPLIT", 1) != 0) {
+    const int over = env_int("KBIT_WGMMA_TALL_SPLIT_COST", kTallSplitCost + split_cost);
+    for (int s = 2; s <= kTallMaxSplits && div_up(ku, s) >= 2; ++s) {
+      const int resident = occ_tall.clusters[s][0] > 0 ? occ_tall.clusters[s][0] : num_sms / s;
+      const long long waves = div_up(tiles_tall, (long long)(resident > 0 ? resident : 1));
+      const long long cost = waves * (div_up(ku, s) * kTallK + 10LL * over);
+      if (cost < best) best = cost, best_s = s;
+    }
+  }
+  return best < cost128 * 10 ? best_s : 0;
 }
 
 // Debug overrides for tuning, read on every call, unset in production:
@@ -1154,7 +1198,9 @@ inline int choose_groups(long long tiles, int ku, int num_sms, const Occupancy& 
 // KBIT_WGMMA_SPLIT_COST = 0.. (choose_splits' reduction cost at MT = 128; 0 = the plan before it),
 // KBIT_WGMMA_GROUPS = 1 | G (choose_groups), KBIT_WGMMA_Y_TMA = 0 (unsplit calls store y
 // element by element instead of through shared memory and TMA; A/B and the tests),
-// KBIT_WGMMA_TALL_MIN_M (choose_tall's first M). Above wgmma_short_max_m the tile they give also
+// KBIT_WGMMA_TALL_MIN_M (choose_tall's first M), KBIT_WGMMA_TALL_SPLIT = 0 (the tall CTAs unsplit,
+// as before they could split; A/B), KBIT_WGMMA_TALL_SPLIT_COST (choose_tall's cost of a split tall
+// CTA besides its K-tiles). Above wgmma_short_max_m the tile they give also
 // picks kbit::gemm's path (auto_path: wgmma only at 256-token tiles).
 // (256-token tiles: plan_t asks choose_tall where this gives 128)
 inline int tile_m(int m) {
@@ -1257,12 +1303,15 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
   int mt = tile_m(p.m);
   const int cost128 = env_int("KBIT_WGMMA_SPLIT_COST", kSplitCost128);  // the split cost at MT = 128
   const int groups_env = env_int("KBIT_WGMMA_GROUPS", 0);  // cluster groups: 0 = choose_groups
-  // the tall CTA does not split K: a forced split, or forced cluster groups, keep 128 tokens
+  // the tall CTA splits K in one cluster only: forced cluster groups keep 128 tokens
   const bool forced_split = splits > 1 || groups_env >= 2;
-  if (mt == 256 && forced_split) mt = 128;
-  if (mt == 128 && splits == 0 && !forced_split && env_int("KBIT_WGMMA_TILE_M", 0) == 0 &&
-      choose_tall(p.m, p.n, p.ku_count, num_sms, occupancy_for<BITS, T>(128, 256, 2, 1), cost128))
-    mt = 256;
+  if (mt == 256 && groups_env >= 2) mt = 128;
+  int tall_split = 1;  // forced 256-token tiles: unsplit unless the split is forced too
+  if (mt == 128 && splits == 0 && !forced_split && env_int("KBIT_WGMMA_TILE_M", 0) == 0) {
+    const int t = choose_tall(p.m, p.n, p.ku_count, num_sms, occupancy_for<BITS, T>(128, 256, 2, 1),
+                              occupancy_for<BITS, T>(256, 128, 2, 1), cost128);
+    if (t > 0) mt = 256, tall_split = t;
+  }
   const int gz = div_up(p.m, mt);
   const int cn = mt == 256 ? 128 : mt <= 64 && env_int("KBIT_WGMMA_WIDE", 0) == 1 ? 512 : 256;
   const int gy = div_up(n_units(p.n), cn / kUnitN);
@@ -1271,7 +1320,7 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
   const int rs_split = cn == 512 || mt <= 32 ? 1 : 2;
   const Occupancy& occ_split = occupancy_for<BITS, T>(mt, cn, rs_split, default_cps(mt, cn, rs_split));
   const int split_cost = mt == 128 ? cost128 : 0;
-  int s = plan_split(tiles, p.ku_count, num_sms, occ_split, split_cost, mt == 256 ? 1 : splits, &p.chunk);
+  int s = plan_split(tiles, p.ku_count, num_sms, occ_split, split_cost, mt == 256 && splits == 0 ? tall_split : splits, &p.chunk);
   int rs = cn == 512 || mt == 16 ? 1 : mt >= 64 || p.chunk <= kShortChunk ? 2 : 1;
   const int rs_force = env_int("KBIT_WGMMA_ROWSPLIT", 0);
   if (cn == 256 && mt == 32 && (rs_force == 1 || rs_force == 2)) rs = rs_force;

@@ -46,6 +46,9 @@ CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)[, KBIT_WGMMA_ONE
     (17, 200, 2048, 3, torch.bfloat16, False, 0, "-1", "0", "256"),   # one tile, a slab past N
     (260, 300, 1024, 5, torch.bfloat16, True, 1, "-1", "0", "256"),   # N % 8 != 0: element stores
     (257, 130, 2048, 2, torch.float16, True, 0, "-1", "0", "256"),    # a second tile of one row
+    # 256-token tiles split along K (one cluster, the partials reduced through DSMEM)
+    (300, 264, 1056, 4, torch.bfloat16, True, 3, "-1", "0", "256"),   # two tiles, uneven chunks
+    (200, 1004, 2048, 5, torch.float16, False, 2, "-1", "0", "256"),  # a slab partly past N
     # forced groups: 128-token tiles (with 17 K-tiles the plan's split leaves G = 1)
     (300, 264, 1056, 4, torch.bfloat16, True, 0, "-1", "2", "256"),
 ]

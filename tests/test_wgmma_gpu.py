@@ -122,15 +122,21 @@ def test_tall_tiles(bits, dtype, monkeypatch):
     # forced at every M: one partial tile (17), two (257: one row in the second, 300), four
     # (1000); N = 4104 ends in a partial slab, so the last 128-column CTA has one slab partly
     # and one wholly past N. Both y stores (TMA where N % 8 == 0, else element by element:
-    # N = 1004) must agree bitwise. The tall CTA never splits K: a forced split, or forced
-    # cluster groups, fall back to 128-token tiles.
+    # N = 1004) must agree bitwise. A forced split runs tall CTAs in one cluster along K (the
+    # partials reduced through distributed shared memory in rank order: rerun bitwise equal);
+    # forced cluster groups fall back to 128-token tiles.
     monkeypatch.setenv("KBIT_WGMMA_TILE_M", "256")
     for m in (17, 257, 300, 1000):
         p = plan(m, 4104, 4128, bits, dtype)
         assert (p["tile_m"], p["cols"], p["splits"], p["grid"][1]) == (256, 128, 1, -(-m // 256)), p
         check(m, 4104, 4128, bits, dtype, bias=(m != 300))
-    assert plan(300, 4104, 4128, bits, dtype, splits=3)["tile_m"] == 128
-    check(300, 4104, 4128, bits, dtype, bias=True, splits=3)
+    for m, splits in ((300, 3), (200, 2), (1000, 5)):  # 65 K-tiles: chunks of 22 / 22 / 21, 33 / 32, 13
+        p = plan(m, 4104, 4128, bits, dtype, splits=splits)
+        assert (p["tile_m"], p["cols"], p["splits"], p["groups"]) == (256, 128, splits, 1), p
+        outs, (packed, absmax, cb, b) = check(m, 4104, 4128, bits, dtype, bias=(m != 200), splits=splits)
+        for x, y in outs:
+            y2 = gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, 4104, 4128, b, splits)
+            assert torch.equal(y.view(torch.int16), y2.view(torch.int16)), f"not bitwise deterministic {p}"
     monkeypatch.setenv("KBIT_WGMMA_GROUPS", "2")
     assert (lambda p: (p["tile_m"], p["groups"]))(plan(300, 4104, 4128, bits, dtype)) == (128, 2)
     check(300, 4104, 4128, bits, dtype, bias=True)
@@ -271,7 +277,7 @@ def test_plans_use_split_k_and_not():
     assert plan(64, 57344, 8192, 4)["cols"] == 256  # 512-column CTAs only when forced
     assert plan(16, 57344, 8192, 4)["cols"] == 256
     assert plan(17, 4096, 4096, 4)["tile_m"] == 32 and plan(16, 4096, 4096, 4)["tile_m"] == 16
-    assert plan(200, 4096, 4096, 4)["tile_m"] == 128 and plan(200, 4096, 4096, 4)["grid"][1] == 2
+    assert plan(160, 4096, 4096, 4)["tile_m"] == 128 and plan(160, 4096, 4096, 4)["grid"][1] == 2
 
 
 def test_split_cost_at_tile_128(monkeypatch):
@@ -288,19 +294,26 @@ def test_split_cost_at_tile_128(monkeypatch):
 
 
 def test_tall_pick():
-    # plan_t takes 256-token tiles (unsplit) where choose_tall's cost beats the 128-token plan's:
-    # never below 192 rows; not where 128-token splits fill the SMs that too few tall CTAs leave
-    # idle (4096x4096 and 4096x14336 at M = 512: 64 tall CTAs); yes on wide layers from one tile
-    # at M = 192 and at M ~ 1000 (tests/test_wgmma_plan.py replays the choice against measured times).
+    # plan_t takes 256-token tiles where choose_tall's cost beats the 128-token plan's: never
+    # below 192 rows; unsplit on wide layers from one tile at M = 192 and at M ~ 1000; split along
+    # K (clusters of 2 or 3) where too few tall CTAs would leave SMs idle (4096x4096 at M = 256:
+    # 32 tall CTAs, 6144x4096 48, 4096x4096 and 4096x14336 at M = 512: 64); not where the
+    # 128-token plan's cluster groups cost less (4096x14336 at M = 256)
+    # (tests/test_wgmma_plan.py replays the choice against measured times).
     for n, k in ((4096, 4096), (28672, 4096), (57344, 8192)):
         assert plan(160, n, k, 4)["tile_m"] == 128
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:
-        assert plan(256, 4096, 4096, 4)["tile_m"] == 128 and plan(256, 4096, 14336, 4)["tile_m"] == 128
-        assert plan(192, 28672, 4096, 4)["tile_m"] == 256 and plan(256, 57344, 8192, 4)["tile_m"] == 256
-        assert plan(512, 4096, 4096, 4)["tile_m"] == 128 and plan(512, 4096, 14336, 4)["tile_m"] == 128
+        tile_split = lambda m, n, k: (lambda p: (p["tile_m"], p["splits"], p["groups"]))(plan(m, n, k, 4))
+        assert tile_split(256, 4096, 4096) == (256, 3, 1) and tile_split(256, 6144, 4096) == (256, 2, 1)
+        assert tile_split(256, 4096, 14336) == (128, 2, 2)
+        assert tile_split(192, 28672, 4096) == (256, 1, 1) and tile_split(256, 57344, 8192) == (256, 1, 1)
+        assert tile_split(512, 4096, 4096) == (256, 2, 1) and tile_split(512, 4096, 14336) == (256, 2, 1)
         for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192)):
             p = plan(1000, n, k, 4)
             assert (p["tile_m"], p["cols"], p["splits"]) == (256, 128, 1), (n, k, p)
+        with pytest.MonkeyPatch.context() as mp:  # the knob for A/B: the unsplit tall tiles only
+            mp.setenv("KBIT_WGMMA_TALL_SPLIT", "0")
+            assert tile_split(256, 4096, 4096)[0] == 128 and tile_split(512, 4096, 14336)[0] == 128
     assert plan(1000, 28672, 4096, 4, splits=2)["tile_m"] == 128  # a forced split keeps 128
 
 

@@ -58,14 +58,14 @@ def replay(tmp_path_factory):
     subprocess.run([NVCC, "-std=c++17", "--expt-relaxed-constexpr", "-I", os.path.join(ROOT, "csrc"), "-o", str(exe),
                     os.path.join(ROOT, "tests", "cpp", "wgmma_splits_test.cu")], check=True, timeout=600)
 
-    def run(cases, cost=None, groups=False, tall=False):
+    def run(cases, cost=None, groups=False, tall=False, env=None):
         stdin = "".join(f"{n} {k} {m}\n" for n, k, m in cases)
         r = subprocess.run([str(exe)] + ([str(cost)] if cost is not None else []), input=stdin,
-                           capture_output=True, text=True, timeout=60, check=True)
+                           capture_output=True, text=True, timeout=60, check=True, env={**os.environ, **(env or {})})
         # (n, k, m) -> (splits, CTAs per SM), or with groups=True (cluster groups, CTAs per cluster),
-        # or with tall=True whether plan_t takes 256-token tiles
+        # or with tall=True the split of the 256-token tiles plan_t takes (0: 128-token tiles)
         if tall:
-            return {tuple(int(v) for v in line.split()[:3]): line.split()[7] == "1" for line in r.stdout.splitlines()}
+            return {tuple(int(v) for v in line.split()[:3]): int(line.split()[7]) for line in r.stdout.splitlines()}
         cols = slice(5, 7) if groups else slice(3, 5)
         return {tuple(int(v) for v in line.split()[:3]): tuple(int(v) for v in line.split()[cols])
                 for line in r.stdout.splitlines()}
@@ -118,6 +118,9 @@ def test_cluster_groups_picks(replay):
 
 
 TALL_SWEEP = "bench_gemm_wgmma_tall_sweep_0dd8999.json"
+# the two sweeps below timed unsplit 256-token tiles only: their replays run choose_tall without
+# the tall splits (KBIT_WGMMA_TALL_SPLIT=0), which test_tall_split_replay covers
+UNSPLIT = {"KBIT_WGMMA_TALL_SPLIT": "0"}
 
 
 def tall_times(name=TALL_SWEEP, tile=lambda r: r["knobs"].get("KBIT_WGMMA_TILE_M", "auto")):
@@ -151,7 +154,7 @@ def test_tall_pick_replay(replay):
     missed = {(6144, 4096, 320), (4096, 4096, 576), (4096, 14336, 576), (10240, 8192, 576), (4096, 14336, 640)}
     cases = tall_times()
     assert len(cases) == 72
-    picks = replay(cases, tall=True)
+    picks = replay(cases, tall=True, env=UNSPLIT)
     assert sum(picks.values()) >= 30  # it does take them
     slow = {c: v for c, v in slow_tall_picks(cases, picks).items() if not (c in missed and not picks[c])}
     assert not slow, slow
@@ -167,7 +170,42 @@ def test_tall_one_tile_replay(replay):
     # there with theirs)
     cases = tall_times(ONE_TILE_PROBE, lambda r: {"gemm_t128": "128", "gemm_t256": "256"}.get(r["config"]))
     assert len(cases) == 32
-    picks = replay(cases, tall=True)
+    picks = replay(cases, tall=True, env=UNSPLIT)
     assert sum(picks.values()) >= 6 and not any(picks[c] for c in cases if c[2] < 192)
     slow = slow_tall_picks(cases, picks)
     assert set(slow) == {(10240, 8192, 160)}, slow
+
+
+TALL_SPLIT_SWEEP = "bench_gemm_wgmma_tall_split_sweep_cc915a1.json"
+
+
+def test_tall_split_replay(replay):
+    # choose_tall with split tall CTAs (clusters of up to kTallMaxSplits along K) replayed on a
+    # sweep of 256-token tiles forced with s = 1, 2, 3, 4, 6, 8 beside the plan before them (eight
+    # shapes, M = 192..1000, K=4, two rounds): the pick must run within 4% of the fastest measured
+    # configuration, except 4096x4096 at M = 384 (a second tile of 128 rows, 5% slower). Where the
+    # pick is the configuration the old plan ran, its time is the old plan's (timed first in each
+    # round, it ran up to 12% faster than the same configuration forced after it on the compute-
+    # bound 57344x8192 at M >= 512: bench_gemm.py's note on sustained load)
+    with open(os.path.join(ROOT, "benchmarks", "results", TALL_SPLIT_SWEEP)) as f:
+        recs = json.load(f)["results"]
+    times, old = collections.defaultdict(dict), {}
+    for r in recs:
+        case = (r["n"], r["k"], r["m"])
+        if r["config"] == "planinfo":
+            old[case] = (r["us"][0], r["us"][1])  # (tile_m, splits) of the plan before
+        else:
+            times[case][r["config"]] = sum(r["us"]) / len(r["us"])
+    assert len(times) == 56
+    picks = replay(times, tall=True)
+    assert sum(1 for v in picks.values() if v > 1) >= 12  # it does split them
+    slow = {}
+    for c, t in times.items():
+        s = picks[c]
+        if (256 if s else 128, s or old[c][1]) == old[c] or (s == 0 and old[c][0] == 128):
+            got = t["plan"]
+        else:
+            got = t[f"t{s}"]
+        if got > 1.04 * min(t.values()):
+            slow[c] = (s, round(got / min(t.values()), 3))
+    assert set(slow) == {(4096, 4096, 384)}, slow

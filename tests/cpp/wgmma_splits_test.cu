@@ -3,7 +3,8 @@
 // and run by tests/test_wgmma_plan.py with nvcc as host code. Reads "n k m" lines on stdin and
 // prints "n k m splits ctas_per_sm groups cluster tall" for each: the cluster split before groups,
 // the CTAs per SM the kernel is built for (KBIT_WGMMA_ONE forces one at MT = 64), the cluster
-// groups and their CTAs per cluster, then 1 where plan_t takes 256-token tiles; with the H200's
+// groups and their CTAs per cluster, then where plan_t takes 256-token tiles their split (1:
+// unsplit; 0: 128-token tiles); with the H200's
 // occupancy (cudaOccupancyMaxActiveClusters for
 // s = 1..16, measured on the device for every instantiation, docs/MMA.md): 128-token tiles and
 // the 64-token tile built for one CTA per SM run one 227 KB CTA per SM; the 16..64-token tiles
@@ -46,8 +47,9 @@ int main(int argc, char** argv) {
     // then, at 128-token tiles, the cluster groups plan_t adds (groups, CTAs per cluster)
     int c = s, groups = 1;
     if (mt == 128) groups = choose_groups(tiles, k_units(k), kH200Sms, occ128, cost, s, &c);
-    // and whether plan_t takes 256-token tiles instead (choose_tall, against the 128-token plan)
-    const int tall = mt == 128 && choose_tall(m, n, k_units(k), kH200Sms, occ128, cost);
+    // and whether plan_t takes 256-token tiles instead (choose_tall, against the 128-token plan):
+    // 0, else the tall plan's split (its CTAs run one per SM, as occ128's)
+    const int tall = mt == 128 ? choose_tall(m, n, k_units(k), kH200Sms, occ128, occ128, cost) : 0;
     std::printf("%d %d %d %d %d %d %d %d\n", n, k, m, s, cps, groups, c, tall);
   }
   return 0;
