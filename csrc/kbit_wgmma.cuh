@@ -419,7 +419,11 @@ __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint
   }
 }
 
-template <int BITS, int MT, int CN, int R, int CPS, typename T>
+// kSplitTall: the tall CTA's split-K build (Cfg::kTall only). A separate instantiation, so the
+// unsplit tall kernel keeps the code it had before the tall CTAs could split: compiled into it,
+// the split epilogue's registers cost the unsplit main loop 1.0-2.5% at K = 2, 3 (8B decode step,
+// M = 1000 / 2048, two builds alternated twice, docs/MMA.md).
+template <int BITS, int MT, int CN, int R, int CPS, typename T, bool kSplitTall = false>
 __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
     wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap xmap, const __grid_constant__ CUtensorMap ymap) {
 #if KBIT_WGMMA_DEVICE
@@ -715,8 +719,10 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
       }
     return;
   }
-  // (the tall CTA splits K in one cluster only: plan_t keeps 128-token tiles under forced cluster
-  // groups, KBIT_WGMMA_GROUPS >= 2)
+  // (the tall CTA splits K in one cluster only, in its kSplitTall build: plan_t keeps 128-token
+  // tiles under forced cluster groups, KBIT_WGMMA_GROUPS >= 2)
+  static_assert(!kSplitTall || C::kTall, "kSplitTall: the tall CTA's split build only");
+  if constexpr (C::kTall && !kSplitTall) __trap();  // unreachable: launch_t2 launches kSplitTall
   // split-K: partials to this CTA's shared memory ([element][thread], conflict-free), then CTA
   // `rank` of the cluster sums its slice of the elements over the cluster's CTAs in rank order.
   // With p.groups > 1 the K range is split over that many clusters (plan_t, choose_groups): each
@@ -904,10 +910,10 @@ struct Occupancy {
   int clusters[kMaxSplits + 1][2] = {};  // [s][spread]; 0 = the API gave no answer
 };
 
-template <int BITS, int MT, int CN, int R, int CPS, typename T> const Occupancy& occupancy() {
+template <int BITS, int MT, int CN, int R, int CPS, typename T, bool kSplitTall = false> const Occupancy& occupancy() {
   static const Occupancy occ = [] {
     using C = Cfg<BITS, MT, CN, R, CPS>;
-    const auto kernel = wgmma_kernel<BITS, MT, CN, R, CPS, T>;
+    const auto kernel = wgmma_kernel<BITS, MT, CN, R, CPS, T, kSplitTall>;
     Occupancy o;
     int dev = 0, smem_sm = 0, b = 0;
     cudaGetDevice(&dev);
@@ -978,7 +984,7 @@ template <typename T> cudaError_t make_y_map(const Params& p, int mt, CUtensorMa
 
 // Launch one instantiation with `splits` CTAs along K: p.groups clusters of splits / p.groups
 // (1..kMaxSplits) CTAs; `spread`: with spread_bytes of shared memory, so that no SM takes two.
-template <int BITS, int MT, int CN, int R, int CPS, typename T>
+template <int BITS, int MT, int CN, int R, int CPS, typename T, bool kSplitTall = false>
 cudaError_t launch_t(Params p, int splits, bool spread, cudaStream_t stream) {
   alignas(64) CUtensorMap xmap, ymap = {};
   const cudaError_t e = make_x_map<T>(p, MT, &xmap);
@@ -990,8 +996,8 @@ cudaError_t launch_t(Params p, int splits, bool spread, cudaStream_t stream) {
     if (ey != cudaSuccess) return ey;
   }
   using C = Cfg<BITS, MT, CN, R, CPS>;
-  const auto kernel = wgmma_kernel<BITS, MT, CN, R, CPS, T>;
-  const Occupancy& occ = occupancy<BITS, MT, CN, R, CPS, T>();  // and the shared-memory opt-in (once)
+  const auto kernel = wgmma_kernel<BITS, MT, CN, R, CPS, T, kSplitTall>;
+  const Occupancy& occ = occupancy<BITS, MT, CN, R, CPS, T, kSplitTall>();  // and the shared-memory opt-in (once)
   cudaLaunchConfig_t cfg = {};
   const unsigned gy = div_up(n_units(p.n), C::kSlabsCta), gz = div_up(p.m, MT);
   cfg.gridDim = dim3(splits, gz, gy);  // token tiles first (col_group)
@@ -1374,6 +1380,8 @@ cudaError_t launch_t2(Params p, int splits, int num_sms, cudaStream_t stream, in
     p.partial = reinterpret_cast<float4*>(reinterpret_cast<char*>(p.partial) + counter_bytes);
   }
   const bool spread = pl[6] == 1 && occupancy_for<BITS, T>(pl[0], pl[5], pl[7], pl[8]).per_sm > 1;
+  if (pl[0] == 256 && pl[2] > 1)  // the tall CTAs split along K: their own build (kSplitTall)
+    return launch_t<BITS, 256, 128, 2, 1, T, true>(p, pl[2], false, stream);
   return with_instantiation(pl[0], pl[5], pl[7], pl[8], [&](auto m, auto c, auto r, auto q) {
     return launch_t<BITS, decltype(m)::value, decltype(c)::value, decltype(r)::value, decltype(q)::value, T>(
         p, pl[2], spread, stream);  // grid x: the split x the cluster groups
