@@ -1168,6 +1168,11 @@ constexpr int kTallK = 88;  // tenths of choose_splits' units
 // units: its kFixed (pipeline fill, table)
 constexpr int kTallSplitCost = 30;
 constexpr int kTallMaxSplits = 3;
+// A split must cost under kTallSplitGain / 10 of the unsplit tall plan: the model overrates the
+// split where the unsplit grid fills the SMs already (6144x4096 at M = 1000, two waves of 96 + 96
+// CTAs: 6% predicted for clusters of 2, 2% measured alone, and the 8B decode step 1.1-1.6% slower
+// at K = 2..4 with it; 8192x8192 at M = 768: 16% predicted, 9% measured).
+constexpr int kTallSplitGain = 9;
 // Returns 0 for the 128-token plan, else the tall plan's split (1: unsplit).
 inline int choose_tall(int m, int n, int ku, int num_sms, const Occupancy& occ128, const Occupancy& occ_tall,
                        int split_cost) {
@@ -1183,7 +1188,8 @@ inline int choose_tall(int m, int n, int ku, int num_sms, const Occupancy& occ12
     choose_groups(tiles128, ku, num_sms, occ128, split_cost, s128, &c, &cost_g);
     cost128 = cost_g < cost128 ? cost_g : cost128;
   }
-  long long best = div_up(tiles_tall, (long long)num_sms) * ku * kTallK;  // tenths of units
+  const long long unsplit = div_up(tiles_tall, (long long)num_sms) * ku * kTallK;  // tenths of units
+  long long best = unsplit;
   int best_s = 1;
   if (tiles_tall < 2 * num_sms && env_int("KBIT_WGMMA_TALL_SPLIT", 1) != 0) {
     const int over = env_int("KBIT_WGMMA_TALL_SPLIT_COST", kTallSplitCost + split_cost);
@@ -1191,7 +1197,7 @@ inline int choose_tall(int m, int n, int ku, int num_sms, const Occupancy& occ12
       const int resident = occ_tall.clusters[s][0] > 0 ? occ_tall.clusters[s][0] : num_sms / s;
       const long long waves = div_up(tiles_tall, (long long)(resident > 0 ? resident : 1));
       const long long cost = waves * (div_up(ku, s) * kTallK + 10LL * over);
-      if (cost < best) best = cost, best_s = s;
+      if (cost < best && cost * 10 < unsplit * kTallSplitGain) best = cost, best_s = s;
     }
   }
   return best < cost128 * 10 ? best_s : 0;
