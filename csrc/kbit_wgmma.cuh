@@ -753,7 +753,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   // the K=4 8B decode step at M = 256 took 7834 us against 7935 (qkv 35.7 -> 34.5, o 26.6 ->
   // 25.7; two builds alternated twice in one call, docs/MMA.md). Hoisted at 64-token tiles too,
   // M = 64 measured 2% slower at K=4, mostly in a layer that does not split (code placement, we
-  // think), so those kernels keep the per-element store and their code as before.
+  // think), so those kernels keep the per-element store and their code as before. The tall CTA's
+  // split build (MT = 256) hoists too.
   // KBIT_WG_DEV_STORE4_PER_ELEMENT builds the per-element store everywhere (A/B).
 #ifndef KBIT_WG_DEV_STORE4_PER_ELEMENT
   constexpr bool kHoisted = MT >= 128;
@@ -1174,16 +1175,20 @@ constexpr int kTallMaxSplits = 3;
 // at K = 2..4 with it; 8192x8192 at M = 768: 16% predicted, 9% measured).
 constexpr int kTallSplitGain = 9;
 // Returns 0 for the 128-token plan, else the tall plan's split (1: unsplit).
+// allow_split: plan_t passes m <= wgmma_short_max_m, so above it (where the tile picks
+// kbit::gemm's path, auto_path) the plan is the unsplit model the path rule was measured with.
 inline int choose_tall(int m, int n, int ku, int num_sms, const Occupancy& occ128, const Occupancy& occ_tall,
-                       int split_cost) {
+                       int split_cost, bool allow_split = true) {
   if (m < env_int("KBIT_WGMMA_TALL_MIN_M", kTallMinM) || m - 256 * (div_up(m, 256) - 1) <= 64) return 0;
   const long long tiles128 = (long long)div_up(n_units(n), 256 / kUnitN) * div_up(m, 128);
   const long long tiles_tall = (long long)div_up(n_units(n), 128 / kUnitN) * div_up(m, 256);
   // the 128-token plan: its split, or cluster groups where plan_t would take them
   long long cost128 = 0;
-  const int s128 = choose_splits(tiles128, ku, num_sms, occ128, split_cost, &cost128);
+  choose_splits(tiles128, ku, num_sms, occ128, split_cost, &cost128);
   if (env_int("KBIT_WGMMA_GROUPS", 0) == 0) {
     long long cost_g = cost128;
+    int chunk = 0;
+    const int s128 = plan_split(tiles128, ku, num_sms, occ128, split_cost, 0, &chunk);  // as plan_t
     int c = s128;
     choose_groups(tiles128, ku, num_sms, occ128, split_cost, s128, &c, &cost_g);
     cost128 = cost_g < cost128 ? cost_g : cost128;
@@ -1191,7 +1196,7 @@ inline int choose_tall(int m, int n, int ku, int num_sms, const Occupancy& occ12
   const long long unsplit = div_up(tiles_tall, (long long)num_sms) * ku * kTallK;  // tenths of units
   long long best = unsplit;
   int best_s = 1;
-  if (tiles_tall < 2 * num_sms && env_int("KBIT_WGMMA_TALL_SPLIT", 1) != 0) {
+  if (allow_split && tiles_tall < 2 * num_sms && env_int("KBIT_WGMMA_TALL_SPLIT", 1) != 0) {
     const int over = env_int("KBIT_WGMMA_TALL_SPLIT_COST", kTallSplitCost + split_cost);
     for (int s = 2; s <= kTallMaxSplits && div_up(ku, s) >= 2; ++s) {
       const int resident = occ_tall.clusters[s][0] > 0 ? occ_tall.clusters[s][0] : num_sms / s;
@@ -1321,7 +1326,7 @@ template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, 
   int tall_split = 1;  // forced 256-token tiles: unsplit unless the split is forced too
   if (mt == 128 && splits == 0 && !forced_split && env_int("KBIT_WGMMA_TILE_M", 0) == 0) {
     const int t = choose_tall(p.m, p.n, p.ku_count, num_sms, occupancy_for<BITS, T>(128, 256, 2, 1),
-                              occupancy_for<BITS, T>(256, 128, 2, 1), cost128);
+                              occupancy_for<BITS, T>(256, 128, 2, 1), cost128, p.m <= wgmma_short_max_m(BITS));
     if (t > 0) mt = 256, tall_split = t;
   }
   const int gz = div_up(p.m, mt);

@@ -311,6 +311,10 @@ def test_tall_pick():
         for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192)):
             p = plan(1000, n, k, 4)
             assert (p["tile_m"], p["cols"], p["splits"]) == (256, 128, 1), (n, k, p)
+        # above wgmma_short_max_m (where the tile picks kbit::gemm's path) no tall splits: the
+        # plan there is the unsplit model auto_path's rule was measured with
+        assert tile_split(1200, 4096, 14336)[0] == 128
+        assert torch.ops.kbit.auto_path(1200, 4096, 14336, 4, torch.float16) == DEQUANT_PATH
         with pytest.MonkeyPatch.context() as mp:  # the knob for A/B: the unsplit tall tiles only
             mp.setenv("KBIT_WGMMA_TALL_SPLIT", "0")
             assert tile_split(256, 4096, 4096)[0] == 128 and tile_split(512, 4096, 14336)[0] == 128

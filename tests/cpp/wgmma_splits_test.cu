@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
     if (mt == 128) groups = choose_groups(tiles, k_units(k), kH200Sms, occ128, cost, s, &c);
     // and whether plan_t takes 256-token tiles instead (choose_tall, against the 128-token plan):
     // 0, else the tall plan's split (its CTAs run one per SM, as occ128's)
-    const int tall = mt == 128 ? choose_tall(m, n, k_units(k), kH200Sms, occ128, occ128, cost) : 0;
+    const int tall = mt == 128 ? choose_tall(m, n, k_units(k), kH200Sms, occ128, occ128, cost, m <= wgmma_short_max_m(4)) : 0;
     std::printf("%d %d %d %d %d %d %d %d\n", n, k, m, s, cps, groups, c, tall);
   }
   return 0;
