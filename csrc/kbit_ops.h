@@ -183,8 +183,8 @@ inline int wgmma_max_m(int bits) { return bits == 5 ? 1024 : bits == 4 ? 3072 : 
 // it, up to wgmma_max_m, kbit::gemm takes wgmma only for the layers whose plan takes 256-token
 // tiles (auto_path; unsplit there: choose_tall splits tall tiles along K only up to this limit,
 // so the rule keeps the plan it was measured with), the others dequantize + cuBLAS as before
-// those tiles: where choose_tall declines (a last token tile of <= 64 rows, or by cost) 128-token tiles lose to it. The 8B
-// step, per layer this way against wgmma on every layer (bench_decode.py --ms 1040,1088,1500,2080
+// those tiles: where choose_tall declines (a last token tile of <= 64 rows, or by cost) 128-token
+// tiles lose to it. The 8B step, per layer this way against wgmma on every layer (bench_decode.py --ms 1040,1088,1500,2080
 // --bits 2,3,4 and --ms 520,560,800,1000 --bits 5, --kbit-paths wgmma:0,dequant:0
 // --no-baselines, two rounds, H200, 0d636b8 + this rule; bench_decode_tall_gaps_0d636b8.json), us:
 //         M = 1040        1088           1500           2080

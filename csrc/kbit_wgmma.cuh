@@ -1031,6 +1031,13 @@ cudaError_t launch_t(Params p, int splits, bool spread, cudaStream_t stream) {
 //     occupancy API's count of resident clusters says when.
 // A grid of `ctas` that can launch spread: an SM could hold more than one, and the grid fits one per SM.
 inline bool fits_spread(const Occupancy& occ, long long ctas, int num_sms) { return occ.per_sm > 1 && ctas <= num_sms; }
+// Waves of `clusters` clusters of s CTAs: as many at once as the occupancy API counted resident,
+// else the SMs' CTA slots (per_sm each, one when spread) over s.
+inline long long cluster_waves(long long clusters, const Occupancy& occ, int s, bool spread, int num_sms) {
+  const int counted = occ.clusters[s][spread];
+  const long long resident = counted > 0 ? counted : (long long)num_sms * (spread ? 1 : occ.per_sm) / s;
+  return div_up(clusters, resident > 0 ? resident : 1LL);
+}
 // CTAs on the busiest SM of a one-wave grid of `ctas`: one when launched spread, else as many as
 // the grid puts on an SM, at most what fits.
 inline long long busiest_ctas(const Occupancy& occ, long long ctas, int num_sms, bool spread) {
@@ -1066,9 +1073,7 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
     if (s > kPortableSplits && div_up(ku, s) < kBigClusterChunk) break;
     const long long ctas = tiles * s;
     const bool spread = fits_spread(occ, ctas, num_sms);
-    const int resident = occ.clusters[s][spread] > 0 ? occ.clusters[s][spread]
-                                                     : num_sms * (spread ? 1 : occ.per_sm) / s;
-    const long long waves = div_up(tiles, (long long)(resident > 0 ? resident : 1));
+    const long long waves = cluster_waves(tiles, occ, s, spread, num_sms);
     const long long busiest = busiest_ctas(occ, ctas, num_sms, spread);
     const long long per_cta = div_up(ku, s) * (busiest >= 2 ? kShared : kAlone) + kFixed + (s > 1 ? split_cost : 0);
     const long long cost = waves * per_cta;
@@ -1082,8 +1087,8 @@ inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& 
 // cluster and the K-tiles, then the fewest CTAs that keep its K-tiles per CTA (`*chunk`), so no
 // CTA is empty. plan_t and the CPU replay (tests/cpp/wgmma_splits_test.cu) both go through it.
 inline int plan_split(long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost, int forced,
-                      int* chunk) {
-  int s = forced > 0 ? forced : choose_splits(tiles, ku, num_sms, occ, split_cost);
+                      int* chunk, long long* cost_out = nullptr) {
+  int s = forced > 0 ? forced : choose_splits(tiles, ku, num_sms, occ, split_cost, cost_out);
   s = s < 1 ? 1 : s > occ.max_splits ? occ.max_splits : s > ku ? ku : s;
   *chunk = div_up(ku, s);
   return div_up(ku, *chunk);
@@ -1109,8 +1114,7 @@ inline int choose_groups(long long tiles, int ku, int num_sms, const Occupancy& 
                          int* c_out, long long* cost_out = nullptr) {
   constexpr int kAlone = 10, kFixed = 3 * kAlone;  // choose_splits' units, one CTA per SM
   const auto cost = [&](int c, int g) -> long long {
-    const long long clusters = tiles * g, resident = occ.clusters[c][0] > 0 ? occ.clusters[c][0] : num_sms / c;
-    const long long waves = div_up(clusters, resident);
+    const long long waves = cluster_waves(tiles * g, occ, c, false, num_sms);
     return waves * (div_up(ku, c * g) * kAlone + kFixed + (c * g > 1 ? split_cost : 0) +
                     (g > 1 ? kGroupSliceCost * (g + 1) / c : 0));
   };
@@ -1184,11 +1188,10 @@ inline int choose_tall(int m, int n, int ku, int num_sms, const Occupancy& occ12
   const long long tiles_tall = (long long)div_up(n_units(n), 128 / kUnitN) * div_up(m, 256);
   // the 128-token plan: its split, or cluster groups where plan_t would take them
   long long cost128 = 0;
-  choose_splits(tiles128, ku, num_sms, occ128, split_cost, &cost128);
+  int chunk = 0;
+  const int s128 = plan_split(tiles128, ku, num_sms, occ128, split_cost, 0, &chunk, &cost128);  // as plan_t
   if (env_int("KBIT_WGMMA_GROUPS", 0) == 0) {
     long long cost_g = cost128;
-    int chunk = 0;
-    const int s128 = plan_split(tiles128, ku, num_sms, occ128, split_cost, 0, &chunk);  // as plan_t
     int c = s128;
     choose_groups(tiles128, ku, num_sms, occ128, split_cost, s128, &c, &cost_g);
     cost128 = cost_g < cost128 ? cost_g : cost128;
@@ -1199,8 +1202,7 @@ inline int choose_tall(int m, int n, int ku, int num_sms, const Occupancy& occ12
   if (allow_split && tiles_tall < 2 * num_sms && env_int("KBIT_WGMMA_TALL_SPLIT", 1) != 0) {
     const int over = env_int("KBIT_WGMMA_TALL_SPLIT_COST", kTallSplitCost + split_cost);
     for (int s = 2; s <= kTallMaxSplits && div_up(ku, s) >= 2; ++s) {
-      const int resident = occ_tall.clusters[s][0] > 0 ? occ_tall.clusters[s][0] : num_sms / s;
-      const long long waves = div_up(tiles_tall, (long long)(resident > 0 ? resident : 1));
+      const long long waves = cluster_waves(tiles_tall, occ_tall, s, false, num_sms);
       const long long cost = waves * (div_up(ku, s) * kTallK + 10LL * over);
       if (cost < best && cost * 10 < unsplit * kTallSplitGain) best = cost, best_s = s;
     }
