@@ -485,6 +485,15 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
 #else
   constexpr uint32_t kXTx = 0;
 #endif
+  // probe only (wrong results): KBIT_WG_DEV_XHALF loads x on even K-tiles only, half its L2 traffic
+  const auto x_tx = [&](int i) -> uint32_t {
+#ifdef KBIT_WG_DEV_XHALF
+    return (i & 1) ? 0u : kXTx;
+#else
+    (void)i;
+    return kXTx;
+#endif
+  };
   // the warps that load W, one slab each: with warpgroups on shared slabs (R > 1) the last
   // one, so that the first (whose thread 0 issues x) does not also carry W's issue work
   // (0.2-1.1% faster at M = 128 / 256 on four shapes, wgmma_dev.py, same call)
@@ -506,9 +515,9 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
     // the stage's previous generic-proxy reads (LDS of W) are ordered before the async writes
     if (tid == 0 || w_issuer) fence_proxy_async();
     if (tid == 0) {
-      mbar_arrive_expect_tx(bar, kXTx);
+      mbar_arrive_expect_tx(bar, x_tx(i));
 #ifndef KBIT_WG_DEV_NOX
-      tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
+      if (x_tx(i)) tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
 #endif
     }
     if (w_issuer) {
@@ -529,9 +538,9 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
           if (i >= C::kStages) mbar_wait(empty0 + 8 * sg, ((i / C::kStages) - 1) & 1);
           const uint32_t st = stage_addr(sg), bar = bar0 + 8 * sg;
           fence_proxy_async();
-          mbar_arrive_expect_tx(bar, kXTx + C::kSlabsCta * C::kUnitBytes);
+          mbar_arrive_expect_tx(bar, x_tx(i) + C::kSlabsCta * C::kUnitBytes);
 #ifndef KBIT_WG_DEV_NOX
-          tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
+          if (x_tx(i)) tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
 #endif
 #pragma unroll
           for (int sl = 0; sl < C::kSlabsCta; ++sl) load_unit(st, sl, ku, bar);

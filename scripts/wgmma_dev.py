@@ -1,5 +1,5 @@
 """Probe variants of the wgmma kernel (csrc/kbit_wgmma.cuh) without the torch extension: each
-variant is a -D flag set (KBIT_WG_DEV_*: NODECODE, NOREGROUP, NOMMA, NOX, NOSYNC, STAGES=n, LUTREP=n, WATCHDOG;
+variant is a -D flag set (KBIT_WG_DEV_*: NODECODE, NOREGROUP, NOMMA, NOX, XHALF, NOSYNC, STAGES=n, LUTREP=n, WATCHDOG;
 NOPRODUCER, NOWIDELUT: the kernel before the producer warpgroup and the wide table at MT = 128),
 built with nvcc into its own shared library (in parallel) and timed through ctypes on K=4
 fp16, L2 flushed, median. Answers "where does the time go" in one device call. Every variant
@@ -7,13 +7,18 @@ sees the same seeded inputs, and its outputs are compared with the first variant
 "maxdiff" column: max |y - y_first| / max |y_first|; probes that skip work differ by design).
 usage: python3 scripts/wgmma_dev.py VARIANT [VARIANT ...]   (VARIANT: comma list of flags, "base" = none)
 env: WGDEV_SHAPES="57344x8192,4096x14336", WGDEV_MS="64,128", WGDEV_SPLITS="0,4,8" (forced split
-factors beside the plan's own, 0; columns VARIANT@sN), WGDEV_ONLY="57344x8192:64" (one case, for ncu)
+factors beside the plan's own, 0; columns VARIANT@sN), WGDEV_ONLY="57344x8192:64" (one case, for ncu),
+WGDEV_ROUNDS=2 (every variant's process run twice, alternated: values "round 1 / round 2", and the
+ratio of each variant's mean to the first's), WGDEV_STEADY=1 (back to back for 1.5 s, no flush, as
+a GPU at its power cap runs them: benchmarks/bench_power.py's sampling, "us@MHz"; shapes should
+exceed the 50 MB L2)
 """
 import ctypes
 import os
 import statistics
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -27,6 +32,11 @@ if os.environ.get("WGDEV_MS"):  # e.g. "64,128,256"
     MS = [int(v) for v in os.environ["WGDEV_MS"].split(",")]
 # forced split factors timed beside the plan's own (0), e.g. "0,4,8": columns VARIANT@sN
 SPLITS = [int(v) for v in os.environ.get("WGDEV_SPLITS", "0").split(",")]
+STEADY = os.environ.get("WGDEV_STEADY", "0") == "1"
+ROUNDS = int(os.environ.get("WGDEV_ROUNDS", "1"))
+if STEADY:
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_power  # noqa: E402
 if os.environ.get("WGDEV_ONLY"):  # e.g. "57344x8192:64" (one case, for ncu)
     _s, _m = os.environ["WGDEV_ONLY"].split(":")
     SHAPES, MS = [tuple(int(v) for v in _s.split("x"))], [int(_m)]
@@ -92,8 +102,15 @@ def measure(variant, lib):
                 torch.cuda.synchronize()
                 tag = "" if sp == 0 else f"@s{sp}"
                 torch.save(y.float().cpu(), os.path.join(out_dir, f"y_{n}x{k}_{m}{tag}.pt"))
-                print(f"RESULT {n}x{k} M={m} {variant}{tag} " + (f"{timer(call):.1f}" if rc == 0 else f"rc={rc}"),
-                      flush=True)
+                if rc:
+                    t = f"rc={rc}"
+                elif STEADY:
+                    r = bench_power.run_sampled(call, 1.5)
+                    t = f"{r['us']:.1f}@{r['sm_mhz']:.0f}"
+                    time.sleep(0.5)  # the clock recovers between cases
+                else:
+                    t = f"{timer(call):.1f}"
+                print(f"RESULT {n}x{k} M={m} {variant}{tag} {t}", flush=True)
 
 
 def main():
@@ -109,7 +126,7 @@ def main():
         libs = dict(ex.map(build, variants))
     table, columns = {}, {}
     first = None
-    for v, lib in libs.items():
+    for v, lib in [item for _ in range(ROUNDS) for item in libs.items()]:
         try:  # a variant that hangs (a broken hand-off) must not take the whole call with it
             r = subprocess.run([sys.executable, __file__, "--one", v, lib], capture_output=True, text=True,
                                timeout=float(os.environ.get("WGDEV_TIMEOUT", "90")))
@@ -121,7 +138,7 @@ def main():
         for line in r.stdout.splitlines():
             if line.startswith("RESULT "):
                 _, shape, m, var, t = line.split()
-                table.setdefault(f"{shape} {m}", {})[var] = t
+                table.setdefault(f"{shape} {m}", {}).setdefault(var, []).append(t)
                 columns.setdefault(var, None)
         first = first or lib
         diffs = []
@@ -132,10 +149,20 @@ def main():
                 diffs.append(((a - b).abs().max() / a.abs().max()).item())
         worst = float("nan") if not diffs or any(d != d for d in diffs) else max(diffs)  # NaN: unwritten output
         print(f"{v}: maxdiff {worst:.2e}", flush=True)
-    print("us per call (K=4 fp16, L2 flushed, median of 30)")
-    print(f"{'shape M':<20}" + "".join(f"{v:>22}" for v in columns))
+    print("us@MHz per call (K=4 fp16, back to back for 1.5 s, no flush)" if STEADY
+          else "us per call (K=4 fp16, L2 flushed, median of 30)")
+    cols = list(columns)
+    print(f"{'shape M':<20}" + "".join(f"{v:>{12 * ROUNDS + 10}}" for v in cols)
+          + ("   mean / first's" if ROUNDS > 1 and len(cols) > 1 else ""))
+
+    def mean_us(vals):
+        us = [float(t.split("@")[0]) for t in vals if not t.startswith("rc=")]
+        return sum(us) / len(us) if us else float("nan")
     for key, row in table.items():
-        print(f"{key:<20}" + "".join(f"{row.get(v, '-'):>22}" for v in columns))
+        ratios = ""
+        if ROUNDS > 1 and len(cols) > 1:
+            ratios = "   " + " ".join(f"{v}:{mean_us(row.get(v, [])) / mean_us(row.get(cols[0], [])):.3f}" for v in cols[1:])
+        print(f"{key:<20}" + "".join(f"{' / '.join(row.get(v, ['-'])):>{12 * ROUNDS + 10}}" for v in cols) + ratios)
 
 
 if __name__ == "__main__":
