@@ -198,6 +198,18 @@ template <int BITS, typename T, bool kWideLut = false> struct Decoder {
     }
   }
 
+  // K=5: pair j (0..3) of column q in natural k order, as the m16n8k16 A register of k16 step
+  // j >> 1, slot 2t (j even) or 2t + 8 (j odd): k = (2t, 2t + 1) + 8 (j & 1) + 16 (j >> 1) inside
+  // the 32-block. pair() joins elements (e, e + 4) of the byte, i.e. k and k + 16, which the
+  // wgmma kernel must regroup (a PRMT a register); joining (e, e + 1) instead costs the same two
+  // shuffles and one PRMT. (K=3,4 would have to rebuild their nibble words for it, two ops a
+  // word: measured no faster, docs/MMA.md.)
+  __device__ __forceinline__ uint32_t natural_pair(int q, int j, uint32_t table) const {
+    static_assert(BITS == 5, "byte-field words only");
+    const int w = 4 * (j >> 1) + 2 * (j & 1);  // E_2i (elements e < 4) or O_2i (e + 4)
+    return prmt(shfl_lut(table, words[w] >> (8 * q)), shfl_lut(table, words[w + 1] >> (8 * q)), 0x5410);
+  }
+
   // pair s (0..3) of column q (0..3) as one 32-bit operand register (lo16 = first element)
   __device__ __forceinline__ uint32_t pair(int q, int s, uint32_t lut_addr, uint32_t table) const {
     if constexpr (BITS == 2) {

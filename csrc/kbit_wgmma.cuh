@@ -359,43 +359,60 @@ template <> __device__ __forceinline__ void wgmma_rs<256, __nv_bfloat16>(float (
 
 // Row tile 2h + qp of one plane word (block kb = wi / 2, h = wi % 2: n8 groups 4h + 2qp, rows g,
 // and 4h + 2qp + 1, rows g + 8) as A[k16 step][register].
-template <int BITS, typename T, bool kWideLut>
+// kNatural (K=5): the decoder's natural_pair hands out (k, k + 1) pairs, which are the A
+// registers as they come (2-6% faster at M = 32..256, docs/MMA.md).
+template <int BITS, typename T, bool kWideLut, bool kNatural>
 __device__ __forceinline__ void decode_row_tile(const Decoder<BITS, T, kWideLut>& dec, uint32_t codes, int qp,
                                                 uint32_t (&A)[2][4], uint32_t lut_addr, uint32_t table) {
   const int q0 = 2 * qp, q1 = 2 * qp + 1;  // n8 groups 4h+q0 (rows g), 4h+q1 (rows g+8)
   const uint32_t s0 = scale2<T>(codes, q0), s1 = scale2<T>(codes, q1);
-  uint32_t a0[4], a1[4];
+  if constexpr (kNatural) {
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    a0[s] = hmul2<T>(dec.pair(q0, s, lut_addr, table), s0);
-    a1[s] = hmul2<T>(dec.pair(q1, s, lut_addr, table), s1);
-  }
-  // The pairs come in the decoder's k order (kbit_decode.cuh): pair s of this lane holds, for
-  // K = 3..5, k = (2t + s', 16 + 2t + s') with s = 2 j + s' covering k = 8 j + ..., and for K = 2
-  // (crumb pairs) k = (16 j + 2t + s', 16 j + 8 + 2t + s'). One PRMT per register regroups
-  // them into the m16n8k16 A fragment of natural k (k16 step, then k = 2t, 2t+1 / 2t+8, 2t+9),
-  // so x is used as stored: a TMA box of its rows, no permutation pass.
-  constexpr bool kCrumb = PairTable<BITS>::kCrumbPairs;
-  const uint32_t a[2][4] = {{a0[0], a0[1], a0[2], a0[3]}, {a1[0], a1[1], a1[2], a1[3]}};
+    for (int j = 0; j < 4; ++j) {  // k16 step j >> 1, registers 0 / 1 (j even) or 2 / 3
+      A[j >> 1][2 * (j & 1)] = hmul2<T>(dec.natural_pair(q0, j, table), s0);
+      A[j >> 1][2 * (j & 1) + 1] = hmul2<T>(dec.natural_pair(q1, j, table), s1);
+    }
+  } else {
+    uint32_t a0[4], a1[4];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {  // rows g (fragment registers 0, 2) and g + 8 (1, 3)
+    for (int s = 0; s < 4; ++s) {
+      a0[s] = hmul2<T>(dec.pair(q0, s, lut_addr, table), s0);
+      a1[s] = hmul2<T>(dec.pair(q1, s, lut_addr, table), s1);
+    }
+    // The pairs come in the decoder's k order (kbit_decode.cuh): pair s of this lane holds, for
+    // K = 3..5, k = (2t + s', 16 + 2t + s') with s = 2 j + s' covering k = 8 j + ..., and for K = 2
+    // (crumb pairs) k = (16 j + 2t + s', 16 j + 8 + 2t + s'). One PRMT per register regroups
+    // them into the m16n8k16 A fragment of natural k (k16 step, then k = 2t, 2t+1 / 2t+8, 2t+9),
+    // so x is used as stored: a TMA box of its rows, no permutation pass.
+    constexpr bool kCrumb = PairTable<BITS>::kCrumbPairs;
+    const uint32_t a[2][4] = {{a0[0], a0[1], a0[2], a0[3]}, {a1[0], a1[1], a1[2], a1[3]}};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // rows g (fragment registers 0, 2) and g + 8 (1, 3)
 #ifdef KBIT_WG_DEV_NOREGROUP  // probe (wrong results): what the regroup PRMTs cost
-    A[0][r] = a[r][0], A[0][2 + r] = a[r][2], A[1][r] = a[r][1], A[1][2 + r] = a[r][3];
-    continue;
+      A[0][r] = a[r][0], A[0][2 + r] = a[r][2], A[1][r] = a[r][1], A[1][2 + r] = a[r][3];
+      continue;
 #endif
-    if constexpr (kCrumb) {
-      A[0][r] = prmt(a[r][0], a[r][1], 0x5410);
-      A[0][2 + r] = prmt(a[r][0], a[r][1], 0x7632);
-      A[1][r] = prmt(a[r][2], a[r][3], 0x5410);
-      A[1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
-    } else {
-      A[0][r] = prmt(a[r][0], a[r][1], 0x5410);
-      A[0][2 + r] = prmt(a[r][2], a[r][3], 0x5410);
-      A[1][r] = prmt(a[r][0], a[r][1], 0x7632);
-      A[1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
+      if constexpr (kCrumb) {
+        A[0][r] = prmt(a[r][0], a[r][1], 0x5410);
+        A[0][2 + r] = prmt(a[r][0], a[r][1], 0x7632);
+        A[1][r] = prmt(a[r][2], a[r][3], 0x5410);
+        A[1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
+      } else {
+        A[0][r] = prmt(a[r][0], a[r][1], 0x5410);
+        A[0][2 + r] = prmt(a[r][2], a[r][3], 0x5410);
+        A[1][r] = prmt(a[r][0], a[r][1], 0x7632);
+        A[1][2 + r] = prmt(a[r][2], a[r][3], 0x7632);
+      }
     }
   }
 }
+
+// Whether decode_word takes natural pairs: K=5 (-DKBIT_WG_DEV_REGROUP: the regroup, for A/Bs).
+#ifdef KBIT_WG_DEV_REGROUP
+constexpr bool kNaturalK5 = false;
+#else
+constexpr bool kNaturalK5 = true;
+#endif
 
 // A fragments of one plane word: row tiles 2h and 2h+1 as A[qp][k16 step][register];
 // or, with kOneTile, only row tile 2h + qp as A[0] (the 256-token CTA, whose warps each multiply
@@ -409,13 +426,14 @@ __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint
   for (int i = 0; i < (kOneTile ? 8 : 16); ++i) (&A[0][0][0])[i] = planes[i % BITS] ^ codes;
   return;
 #endif
+  constexpr bool kNatural = BITS == 5 && kNaturalK5;
   Decoder<BITS, T, kWideLut> dec;
   dec.load(planes);
   if constexpr (kOneTile) {
-    decode_row_tile(dec, codes, qp, A[0], lut_addr, table);
+    decode_row_tile<BITS, T, kWideLut, kNatural>(dec, codes, qp, A[0], lut_addr, table);
   } else {
 #pragma unroll
-    for (int q = 0; q < 2; ++q) decode_row_tile(dec, codes, q, A[q], lut_addr, table);
+    for (int q = 0; q < 2; ++q) decode_row_tile<BITS, T, kWideLut, kNatural>(dec, codes, q, A[q], lut_addr, table);
   }
 }
 
