@@ -40,8 +40,8 @@ MODELS = {
 }
 
 
-def graph_time(calls, xs, reps=30):
-    """Median µs of one replay of a CUDA graph that makes `calls` in order."""
+def capture(calls, xs):
+    """A CUDA graph that makes `calls` in order (warmed up outside the capture)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -53,6 +53,12 @@ def graph_time(calls, xs, reps=30):
     with torch.cuda.graph(g):
         for fn, x in calls:
             fn(xs[x])
+    return g
+
+
+def graph_time(calls, xs, reps=30):
+    """Median µs of one replay of a CUDA graph that makes `calls` in order."""
+    g = capture(calls, xs)
     g.replay()
     torch.cuda.synchronize()
     times = []

@@ -58,22 +58,6 @@ def run_sampled(fn, seconds=2.5):
             "temp_c": max(float(r[2]) for r in rows), "reasons": sorted({r[3] for r in rows})}
 
 
-def graph_of(calls, xs):
-    """A CUDA graph making `calls` in order (bench_decode.graph_time's capture), as a replay function."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn, x in calls[:8]:
-            fn(xs[x])
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn, x in calls:
-            fn(xs[x])
-    return g.replay, g
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default="1,16,64,256")
@@ -108,7 +92,8 @@ def main():
             for m in ms:
                 if what == "step":
                     xs = {k: torch.randn(m, k, dtype=bg.DT, device="cuda") for _, k in calls}
-                    fn, keep = graph_of(calls, xs)
+                    keep = bd.capture(calls, xs)
+                    fn = keep.replay
                     label = f"{args.model} step"
                 else:
                     x = torch.randn(m, what[1], dtype=bg.DT, device="cuda")

@@ -2,7 +2,7 @@
 variant is a -D flag set (KBIT_WG_DEV_*: NODECODE, NOREGROUP, NOMMA, NOX, XHALF, NOSYNC, STAGES=n, LUTREP=n, WATCHDOG;
 NOPRODUCER, NOWIDELUT: the kernel before the producer warpgroup and the wide table at MT = 128),
 built with nvcc into its own shared library (in parallel) and timed through ctypes on K=4
-fp16, L2 flushed, median. Answers "where does the time go" in one device call. Every variant
+fp16 (K = WGDEV_BITS, default 4), L2 flushed, median. Answers "where does the time go" in one device call. Every variant
 sees the same seeded inputs, and its outputs are compared with the first variant's (the
 "maxdiff" column: max |y - y_first| / max |y_first|; probes that skip work differ by design).
 usage: python3 scripts/wgmma_dev.py VARIANT [VARIANT ...]   (VARIANT: comma list of flags, "base" = none)
@@ -11,9 +11,12 @@ factors beside the plan's own, 0; columns VARIANT@sN), WGDEV_ONLY="57344x8192:64
 WGDEV_ROUNDS=2 (every variant's process run twice, alternated: values "round 1 / round 2", and the
 ratio of each variant's mean to the first's), WGDEV_STEADY=1 (back to back for 1.5 s, no flush, as
 a GPU at its power cap runs them: benchmarks/bench_power.py's sampling, "us@MHz"; shapes should
-exceed the 50 MB L2)
+exceed the 50 MB L2), WGDEV_BITS=5 (the bit width built and timed; one per call), WGDEV_JSON=PATH (the table and the
+command, GPU, date and commit as JSON: a results file)
 """
 import ctypes
+import datetime
+import json
 import os
 import statistics
 import subprocess
@@ -33,6 +36,7 @@ if os.environ.get("WGDEV_MS"):  # e.g. "64,128,256"
 # forced split factors timed beside the plan's own (0), e.g. "0,4,8": columns VARIANT@sN
 SPLITS = [int(v) for v in os.environ.get("WGDEV_SPLITS", "0").split(",")]
 STEADY = os.environ.get("WGDEV_STEADY", "0") == "1"
+BITS = int(os.environ.get("WGDEV_BITS", "4"))
 ROUNDS = int(os.environ.get("WGDEV_ROUNDS", "1"))
 if STEADY:
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -49,12 +53,12 @@ def build(variant):
         root = os.environ.get("WGDEV_OLD_TREE", os.path.join(ROOT, "scripts/old_tree"))
     fl = [f for f in variant.split(",") if f not in ("base", "OLD")]
     flags = [f"-DKBIT_WG_DEV_{f}" for f in fl]
-    out = f"/tmp/wgdev/{variant.replace(',', '_').replace('=', '')}"
+    out = f"/tmp/wgdev/k{BITS}_{variant.replace(',', '_').replace('=', '')}"
     os.makedirs(out, exist_ok=True)
     common = ["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-DKBIT_HAS_SM90A", "-O3", "-std=c++17",
               "--use_fast_math", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC", "-Icsrc", *flags]
     objs = []
-    for src in ("csrc/kbit_wgmma.cu", "csrc/generated/wgmma_k4.cu", "scripts/wgmma_capi.cu"):
+    for src in ("csrc/kbit_wgmma.cu", f"csrc/generated/wgmma_k{BITS}.cu", "scripts/wgmma_capi.cu"):
         o = os.path.join(out, os.path.basename(src) + ".o")
         r = subprocess.run([*common, "-c", src, "-o", o], cwd=root, capture_output=True, text=True)
         if r.returncode:
@@ -81,13 +85,13 @@ def measure(variant, lib):
     """Times one variant (its own process: one static CUDA runtime per library)."""
     sys.path.insert(0, ROOT)
     from vllm_kbit import format as kf
-    f = ctypes.CDLL(lib, mode=os.RTLD_LAZY).kbit_wgmma_c  # only K=4 is linked
+    f = ctypes.CDLL(lib, mode=os.RTLD_LAZY).kbit_wgmma_c  # only K = BITS is linked
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cb = kf.normal_float_codebook(4, "cuda")
+    cb = kf.normal_float_codebook(BITS, "cuda")
     out_dir = os.path.dirname(lib)
     for n, k in SHAPES:
         torch.manual_seed(n * 7 + k)
-        packed = torch.randint(-2**31, 2**31 - 1, ((n + 63) // 64 * (k // 64) * 4 * 128,), device="cuda", dtype=torch.int32)
+        packed = torch.randint(-2**31, 2**31 - 1, ((n + 63) // 64 * (k // 64) * BITS * 128,), device="cuda", dtype=torch.int32)
         ap = torch.randint(0x30, 0x90, ((n + 63) // 64 * (k // 64) * 128,), device="cuda", dtype=torch.int32).to(torch.uint8)
         for m in MS:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -96,7 +100,7 @@ def measure(variant, lib):
             for sp in SPLITS:
                 call = lambda: f(0, ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(packed.data_ptr()),  # noqa: E731
                                  ctypes.c_void_p(ap.data_ptr()), ctypes.c_void_p(cb.data_ptr()),
-                                 ctypes.c_void_p(y.data_ptr()), m, n, k, 4, sms, stream, sp)
+                                 ctypes.c_void_p(y.data_ptr()), m, n, k, BITS, sms, stream, sp)
                 y.fill_(float("nan"))
                 rc = call()
                 torch.cuda.synchronize()
@@ -149,8 +153,8 @@ def main():
                 diffs.append(((a - b).abs().max() / a.abs().max()).item())
         worst = float("nan") if not diffs or any(d != d for d in diffs) else max(diffs)  # NaN: unwritten output
         print(f"{v}: maxdiff {worst:.2e}", flush=True)
-    print("us@MHz per call (K=4 fp16, back to back for 1.5 s, no flush)" if STEADY
-          else "us per call (K=4 fp16, L2 flushed, median of 30)")
+    print(f"us@MHz per call (K={BITS} fp16, back to back for 1.5 s, no flush)" if STEADY
+          else f"us per call (K={BITS} fp16, L2 flushed, median of 30)")
     cols = list(columns)
     print(f"{'shape M':<20}" + "".join(f"{v:>{12 * ROUNDS + 10}}" for v in cols)
           + ("   mean / first's" if ROUNDS > 1 and len(cols) > 1 else ""))
@@ -163,6 +167,18 @@ def main():
         if ROUNDS > 1 and len(cols) > 1:
             ratios = "   " + " ".join(f"{v}:{mean_us(row.get(v, [])) / mean_us(row.get(cols[0], [])):.3f}" for v in cols[1:])
         print(f"{key:<20}" + "".join(f"{' / '.join(row.get(v, ['-'])):>{12 * ROUNDS + 10}}" for v in cols) + ratios)
+    if os.environ.get("WGDEV_JSON"):
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        from bench_gemm import git_commit  # noqa: E402
+        knobs = {k: v for k, v in os.environ.items() if k.startswith(("WGDEV_", "KBIT_")) and k != "WGDEV_JSON"}
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
+                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ"),
+                "command": " ".join(f"{k}={v}" for k, v in sorted(knobs.items())) + " python3 scripts/wgmma_dev.py "
+                + " ".join(sys.argv[1:]),
+                "units": "us@MHz, back to back, no flush" if STEADY else "us, L2 flushed, median of 30",
+                "bits": BITS, "dtype": "fp16", "variants": cols}
+        with open(os.environ["WGDEV_JSON"], "w") as f:
+            json.dump({"meta": meta, "results": table}, f, indent=1)
 
 
 if __name__ == "__main__":
