@@ -5,10 +5,11 @@
 //
 // The decoder pairs elements so that one table lookup yields one 32-bit operand register
 // (two weights). The pairs are not the MMA's natural (k, k+1): K=3..5 pair elements (e, e+4)
-// of the layout byte, K=2 pairs (e, e+2). Because an MMA sums over k in any order, the x
-// operand is permuted to match instead (never W): XPerm below says how, per bit width, and
-// both kernels apply it (the GEMV with PRMT on x registers, the wgmma kernel when it stages x
-// into shared memory).
+// of the layout byte, K=2 pairs (e, e+2). Because an MMA sums over k in any order, the GEMV
+// permutes its x operand to match (PRMT on x registers; the table below says how). The wgmma
+// kernel takes x as stored (a TMA box) and regroups the decoded pairs into the natural order
+// instead (a PRMT a register, kbit_wgmma.cuh decode_row_tile), or at K=5, whose pairs are two
+// shuffled values joined by one PRMT anyway, joins (e, e+1) directly (Decoder::natural_pair).
 //
 // Operand-register slots of one k16 step (m16n8k16 / wgmma A and B fragments, t = lane % 4):
 // slots 2t, 2t+1 (register 0 / b0) and 2t+8, 2t+9 (register 2 / b1). With the pairing above,
