@@ -1,8 +1,8 @@
 """Probe variants of the wgmma kernel (csrc/kbit_wgmma.cuh) without the torch extension: each
 variant is a -D flag set (KBIT_WG_DEV_*: NODECODE, NOREGROUP, NOMMA, NOX, XHALF, NOSYNC, STAGES=n, LUTREP=n, WATCHDOG;
 NOPRODUCER, NOWIDELUT: the kernel before the producer warpgroup and the wide table at MT = 128),
-built with nvcc into its own shared library (in parallel) and timed through ctypes on K=4
-fp16 (K = WGDEV_BITS, default 4), L2 flushed, median. Answers "where does the time go" in one device call. Every variant
+built with nvcc into its own shared library (in parallel) and timed through ctypes in fp16 at
+K = WGDEV_BITS (default 4), L2 flushed, median. Answers "where does the time go" in one device call. Every variant
 sees the same seeded inputs, and its outputs are compared with the first variant's (the
 "maxdiff" column: max |y - y_first| / max |y_first|; probes that skip work differ by design).
 usage: python3 scripts/wgmma_dev.py VARIANT [VARIANT ...]   (VARIANT: comma list of flags, "base" = none)
@@ -38,8 +38,9 @@ SPLITS = [int(v) for v in os.environ.get("WGDEV_SPLITS", "0").split(",")]
 STEADY = os.environ.get("WGDEV_STEADY", "0") == "1"
 BITS = int(os.environ.get("WGDEV_BITS", "4"))
 ROUNDS = int(os.environ.get("WGDEV_ROUNDS", "1"))
+UNITS = "us@MHz per call, back to back for 1.5 s, no flush" if STEADY else "us per call, L2 flushed, median of 30"
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # bench_power (WGDEV_STEADY), bench_gemm (WGDEV_JSON)
 if STEADY:
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import bench_power  # noqa: E402
 if os.environ.get("WGDEV_ONLY"):  # e.g. "57344x8192:64" (one case, for ncu)
     _s, _m = os.environ["WGDEV_ONLY"].split(":")
@@ -153,8 +154,7 @@ def main():
                 diffs.append(((a - b).abs().max() / a.abs().max()).item())
         worst = float("nan") if not diffs or any(d != d for d in diffs) else max(diffs)  # NaN: unwritten output
         print(f"{v}: maxdiff {worst:.2e}", flush=True)
-    print(f"us@MHz per call (K={BITS} fp16, back to back for 1.5 s, no flush)" if STEADY
-          else f"us per call (K={BITS} fp16, L2 flushed, median of 30)")
+    print(f"{UNITS} (K={BITS} fp16)")
     cols = list(columns)
     print(f"{'shape M':<20}" + "".join(f"{v:>{12 * ROUNDS + 10}}" for v in cols)
           + ("   mean / first's" if ROUNDS > 1 and len(cols) > 1 else ""))
@@ -168,14 +168,13 @@ def main():
             ratios = "   " + " ".join(f"{v}:{mean_us(row.get(v, [])) / mean_us(row.get(cols[0], [])):.3f}" for v in cols[1:])
         print(f"{key:<20}" + "".join(f"{' / '.join(row.get(v, ['-'])):>{12 * ROUNDS + 10}}" for v in cols) + ratios)
     if os.environ.get("WGDEV_JSON"):
-        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
         from bench_gemm import git_commit  # noqa: E402
         knobs = {k: v for k, v in os.environ.items() if k.startswith(("WGDEV_", "KBIT_")) and k != "WGDEV_JSON"}
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
                 "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ"),
                 "command": " ".join(f"{k}={v}" for k, v in sorted(knobs.items())) + " python3 scripts/wgmma_dev.py "
                 + " ".join(sys.argv[1:]),
-                "units": "us@MHz, back to back, no flush" if STEADY else "us, L2 flushed, median of 30",
+                "units": UNITS,
                 "bits": BITS, "dtype": "fp16", "variants": cols}
         with open(os.environ["WGDEV_JSON"], "w") as f:
             json.dump({"meta": meta, "results": table}, f, indent=1)
