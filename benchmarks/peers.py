@@ -22,6 +22,7 @@ A peer that cannot be imported, built or run is recorded with its error, never d
 """
 from __future__ import annotations
 
+import ast
 import math
 import os
 import re
@@ -152,6 +153,7 @@ class _GemliteState:
     ms: tuple = (1, 16, 64, 256)  # the batch sizes to borrow configs for
     loaded: str = ""
     borrowed: list = field(default_factory=list)
+    shipped: dict = field(default_factory=dict)  # kind -> the table's keys before any borrowing
     templates: dict = field(default_factory=dict)
 
 
@@ -186,7 +188,8 @@ def gemlite_setup(mode: str = "borrow"):
 
 def _gemlite_borrow(n, k, bits, group, elements, type_id, ms):
     """Stored configs for the keys (M bucket, n, k, group, elements, type_id) that gemlite's
-    table lacks, copied from its 4-bit entries of the nearest shape (see gemlite_setup)."""
+    table lacks, copied from its 4-bit entry of the nearest M bucket, then the nearest shape,
+    at the same group size (see gemlite_setup)."""
     from gemlite.core import GEMLITE_TRITON_CONFIG_CACHE as cache
     from gemlite.triton_kernels import utils as gu
     from gemlite.core import get_matmul_type
@@ -197,12 +200,15 @@ def _gemlite_borrow(n, k, bits, group, elements, type_id, ms):
         sig = str((mb, n, k, group, elements, type_id))
         if sig in table:
             continue
-        best = None
+        shipped = GEMLITE.shipped.setdefault(kind, set(table))  # borrow from gemlite's own entries only
+        best = None  # the same M bucket if the table has it (it lacks M = 64 for GEMM), else the nearest
         for key, cfg in table.items():
-            km, kn, kk, kg, ke, kt = eval(key)  # noqa: S307  (gemlite's own table keys: tuples of ints)
-            if km != mb or kt % 100 != 4 or kg != group:
+            if key not in shipped:
                 continue
-            d = abs(math.log(kn / n)) + abs(math.log(kk / k))
+            km, kn, kk, kg, ke, kt = ast.literal_eval(key)  # gemlite's table keys: tuples of ints
+            if kt % 100 != 4 or kg != group:
+                continue
+            d = (abs(math.log(km / mb)), abs(math.log(kn / n)) + abs(math.log(kk / k)))
             if best is None or d < best[0]:
                 best = (d, key, cfg)
         if best is None:
