@@ -26,6 +26,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -144,6 +145,7 @@ def main():
     for method in methods:
         bits = int(method[4:].split("-")[0]) if method.startswith("kbit") else 4
         layers, wbytes = [], {}
+        t0 = time.perf_counter()
         try:
             for _ in range(n_layers):
                 layer = {}
@@ -158,6 +160,8 @@ def main():
             torch.cuda.empty_cache()
             continue
         dt = peers[method].dtype if method in peers else bg.DT
+        if method in peers:  # where a run's minutes go (GemLite compiles its kernels at the first call of each M)
+            bg.log(f"# {method}: weights built in {time.perf_counter() - t0:.1f} s")
         for m in ms:
             if "-gemv" in method and m > 16:
                 continue
@@ -165,8 +169,11 @@ def main():
             calls = [(layer[name], shapes[name][1]) for layer in layers for name in shapes]
             if args.between:
                 calls = between(calls)
+            t1 = time.perf_counter()
             try:
                 us = graph_time(calls, xs)
+                if method in peers:
+                    bg.log(f"# {method} M={m}: warm-up, capture and replays took {time.perf_counter() - t1:.1f} s")
             except Exception as e:  # noqa: BLE001
                 if method not in peers:
                     raise

@@ -60,7 +60,7 @@ class Family:
 
 
 FAMILIES = {
-    "gemlite": Family((8, 4, 2, 1), (16, 32, 64, 128, 256), ((4, 64), (4, 128), (2, 64)), FP16,
+    "gemlite": Family((8, 4, 2, 1), (16, 32, 64, 128, 256), ((4, 64), (2, 64)), FP16,
                       "GemLite Triton kernels, HQQ affine format"),
     "tinygemm": Family((4,), (32, 64, 128, 256), ((4, 32), (4, 64), (4, 128)), BF16,
                        "torch.ops.aten._weight_int4pack_mm"),

@@ -40,7 +40,7 @@ def test_bytes_per_weight_of_each_format():
 
 def test_select_expands_families_and_filters_bits():
     names = [p.name for p in pe.select("all", [2, 4])]
-    assert names == ["gemlite-w4g64", "gemlite-w4g128", "gemlite-w2g64", "tinygemm-w4g32", "tinygemm-w4g64",
+    assert names == ["gemlite-w4g64", "gemlite-w2g64", "tinygemm-w4g32", "tinygemm-w4g64",
                      "tinygemm-w4g128", "gptq-w4g128", "gptq-w2g128", "exllama-w4g128", "exllama-w2g128"]
     assert [p.name for p in pe.select("exllama", [3])] == ["exllama-w3g128"]
     # an explicit name is kept whatever the bit filter, and a repeat is dropped
