@@ -217,6 +217,8 @@ def main():
         meta.update(peers=list(peers), **(pe.gemlite_record() if any(
             p.family == "gemlite" for p in peers.values()) else {}))
         payload["errors"] = errors
+        if pe.GEMLITE.mode == "fast" and pe.GEMLITE.loaded:
+            bg.log(f"# gemlite's tuned configs: {pe.gemlite_save(args.out)}")
         try:
             plot_peers(results, meta, os.path.join(args.out, fname[:-5] + ".png"))
         except Exception as e:  # noqa: BLE001

@@ -324,6 +324,8 @@ def main():
         meta.update(peers=[p.name for p in peer_list], **(pe.gemlite_record() if any(
             p.family == "gemlite" for p in peer_list) else {}))
         payload["errors"] = errors
+        if pe.GEMLITE.mode == "fast" and pe.GEMLITE.loaded:
+            log(f"# gemlite's tuned configs: {pe.gemlite_save(args.out)}")
     with open(os.path.join(args.out, tag + ".json"), "w") as f:
         json.dump(payload, f, indent=1)
     try:

@@ -153,12 +153,19 @@ class _GemliteState:
     ms: tuple = (1, 16, 64, 256)  # the batch sizes to borrow configs for
     loaded: str = ""
     borrowed: list = field(default_factory=list)
-    shipped: dict = field(default_factory=dict)  # kind -> the table's keys before any borrowing
+    base: dict = field(default_factory=dict)  # kind -> keys of the table gemlite ships
+    shipped: dict = field(default_factory=dict)  # kind -> keys before any borrowing (+ tuned files)
     templates: dict = field(default_factory=dict)
 
 
 GEMLITE = _GemliteState()
-_GEMLITE_KINDS = ("GEMV_REVSPLITK", "GEMM_SPLITK", "GEMM")  # what gemlite runs below 8 bits
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def gemlite_tuned_file(gpu_name: str, folder: str = RESULTS) -> str:
+    """Where a `fast` run leaves gemlite's autotuned configs (only those its shipped table lacks);
+    committed to benchmarks/results, later runs on that GPU load it."""
+    return os.path.join(folder, f"gemlite_configs_{gpu_tag(gpu_name)}.json")
 
 
 def gemlite_setup(mode: str = "borrow"):
@@ -167,23 +174,53 @@ def gemlite_setup(mode: str = "borrow"):
     gemlite autotunes every (M, N, K, group, bits) it has no stored config for, compiling each
     candidate (N and K are compile-time constants): minutes per shape set. `borrow` loads the
     configs gemlite ships for the H100 (on any Hopper GPU) and, for keys they lack (2 bits, the
-    70B shapes), copies the stored 4-bit config of the nearest shape at the same M bucket and
+    70B shapes), copies the stored 4-bit config of the nearest M bucket and shape at the same
     group; the record says how many were borrowed. `fast` runs gemlite's own fast autotuning
-    instead (slow the first time on a machine)."""
+    instead (slow the first time on a machine) and gemlite_save keeps what it found. Either
+    mode first loads benchmarks/results/gemlite_configs_<gpu>.json, an earlier `fast` run's."""
     import gemlite
-    from gemlite.core import GemLiteLinear
+    from gemlite.core import GEMLITE_TRITON_CONFIG_CACHE, GemLiteLinear
     if mode not in ("borrow", "fast"):
         raise ValueError(f"--gemlite-tune: {mode!r} (borrow | fast)")
     GEMLITE.mode = mode
-    cfg_dir = os.path.join(os.path.dirname(gemlite.__file__), "configs")
-    h100 = os.path.join(cfg_dir, "h100.json")
-    name = torch.cuda.get_device_name().lower()
-    if torch.cuda.get_device_capability()[0] == 9 and "h100" not in name and os.path.exists(h100):
-        GemLiteLinear.load_config(h100)  # gemlite picks its config file by GPU name; Hopper shares it
-        GEMLITE.loaded = "h100.json (loaded for " + name + ")"
+    h100 = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
+    name = torch.cuda.get_device_name()
+    if torch.cuda.get_device_capability()[0] == 9 and "h100" not in name.lower() and os.path.exists(h100):
+        GemLiteLinear.load_config(h100)  # gemlite picks its table by GPU name; Hopper GPUs share it
+        GEMLITE.loaded = f"h100.json (loaded for {name})"
     else:
-        GEMLITE.loaded = "gemlite's own choice for " + name
+        GEMLITE.loaded = f"gemlite's own table for {name}"
+    GEMLITE.base = {kind: set(t) for kind, t in GEMLITE_TRITON_CONFIG_CACHE.items()}
+    tuned = gemlite_tuned_file(name)
+    if os.path.exists(tuned) and GemLiteLinear.load_config(tuned):
+        GEMLITE.loaded += f" + {os.path.relpath(tuned, os.path.dirname(RESULTS))}"
+    GEMLITE.shipped = {kind: set(t) for kind, t in GEMLITE_TRITON_CONFIG_CACHE.items()}
     return gemlite
+
+
+def gemlite_save(folder: str) -> str:
+    """After a `fast` run: the configs gemlite tuned that its shipped table lacks, as
+    FOLDER/gemlite_configs_<gpu>.json (merged with what that file held); returns the path."""
+    import json
+    import tempfile
+    from gemlite.core import GemLiteLinear
+    path = gemlite_tuned_file(torch.cuda.get_device_name(), folder)
+    with tempfile.TemporaryDirectory() as tmp:
+        everything = os.path.join(tmp, "all.json")
+        GemLiteLinear.cache_config(everything)  # gemlite's table + what its autotuner found
+        with open(everything) as f:
+            table = json.load(f)
+    old = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    borrowed = {b.split(" ", 1)[1].split(" <- ")[0] for b in GEMLITE.borrowed}
+    out = {kind: {**old.get(kind, {}), **{key: cfg for key, cfg in entries.items()
+                                         if key not in GEMLITE.base.get(kind, ()) and key not in borrowed}}
+           for kind, entries in table.items()}
+    with open(path, "w") as f:
+        json.dump({kind: entries for kind, entries in out.items() if entries}, f, indent=0, sort_keys=True)
+    return path
 
 
 def _gemlite_borrow(n, k, bits, group, elements, type_id, ms):
@@ -200,7 +237,7 @@ def _gemlite_borrow(n, k, bits, group, elements, type_id, ms):
         sig = str((mb, n, k, group, elements, type_id))
         if sig in table:
             continue
-        shipped = GEMLITE.shipped.setdefault(kind, set(table))  # borrow from gemlite's own entries only
+        shipped = GEMLITE.shipped.get(kind, set())  # borrow from stored entries only, never from a borrowed one
         best = None  # the same M bucket if the table has it (it lacks M = 64 for GEMM), else the nearest
         for key, cfg in table.items():
             if key not in shipped:
@@ -251,7 +288,7 @@ def _gemlite(n, k, bits, group):
 
 def gemlite_record():
     """What the results file says about gemlite's configs."""
-    return {"gemlite_tune": GEMLITE.mode, "gemlite_configs": GEMLITE.loaded,
+    return {"gemlite_tune": GEMLITE.mode, "gemlite_configs": GEMLITE.loaded or "gemlite not imported",
             "gemlite_borrowed": len(GEMLITE.borrowed), "gemlite_borrowed_keys": GEMLITE.borrowed[:200]}
 
 
