@@ -387,22 +387,20 @@ def summary(results, meta):
 
 
 def peers_summary(results, errors, meta):
-    """The last table of a --peers run: per M, every method's bytes per weight and its µs on
-    each shape; then what could not run, and why."""
+    """The last table of a --peers run: every method's bytes per weight and its µs at each
+    (M, shape); then what could not run, and why."""
     log("")
     log(f"# kbit and its peers ({meta['gpu']}, {meta['commit']}): B/w = bytes per weight incl. scales / "
         f"zeros / absmax; cells: µs (median, L2 flushed)")
     shapes = sorted({(r["n"], r["k"]) for r in results}, key=lambda s: s[0] * s[1])
-    cols = ["B/w"] + [f"{n}x{k}" for n, k in shapes]
-    for m in sorted({r["m"] for r in results}):
-        rows = []
-        for meth in sorted({r["method"] for r in results if r["m"] == m}, key=_method_order):
-            rs = {(r["n"], r["k"]): r for r in results if r["m"] == m and r["method"] == meth}
-            cells = {f"{n}x{k}": f"{rs[(n, k)]['us']:.1f}" for n, k in shapes if (n, k) in rs}
-            cells["B/w"] = f"{next(iter(rs.values())).get('bpw', 0):.3f}"
-            rows.append((meth, cells))
-        log(f"M={m}")
-        log(pe.table(rows, cols))
+    cols = [(m, n, k) for m in sorted({r["m"] for r in results}) for n, k in shapes]
+    rows = []
+    for meth in sorted({r["method"] for r in results}, key=_method_order):
+        rs = {(r["m"], r["n"], r["k"]): r for r in results if r["method"] == meth}
+        cells = {f"M={m} {n}x{k}": f"{rs[(m, n, k)]['us']:.1f}" for m, n, k in cols if (m, n, k) in rs}
+        cells["B/w"] = f"{next(iter(rs.values())).get('bpw', 0):.3f}"
+        rows.append((meth, cells))
+    log(pe.table(rows, ["B/w"] + [f"M={m} {n}x{k}" for m, n, k in cols]))
     seen = set()
     for e in errors:
         if (e["method"], e["error"]) not in seen:

@@ -365,9 +365,11 @@ def gpu_tag(name: str) -> str:
 
 
 def table(rows, cols, row_label="method"):
-    """Fixed-width text table: rows = [(label, {col: cell})]."""
-    width = max([len(row_label)] + [len(r[0]) for r in rows]) + 2
-    lines = [row_label.ljust(width) + "".join(str(c).rjust(12) for c in cols)]
+    """Text table, columns right-aligned to their widest cell: rows = [(label, {col: cell})];
+    a missing cell prints as '-'."""
+    width = max([len(row_label)] + [len(r[0]) for r in rows]) + 1
+    cw = {c: max([len(str(c))] + [len(str(cells.get(c, "-"))) for _, cells in rows]) + 2 for c in cols}
+    lines = [row_label.ljust(width) + "".join(str(c).rjust(cw[c]) for c in cols)]
     for label, cells in rows:
-        lines.append(label.ljust(width) + "".join(str(cells.get(c, "-")).rjust(12) for c in cols))
+        lines.append(label.ljust(width) + "".join(str(cells.get(c, "-")).rjust(cw[c]) for c in cols))
     return "\n".join(lines)
