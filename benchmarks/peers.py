@@ -17,6 +17,10 @@ kernel here takes the same time whatever the values.
   exllama   vLLM's ExLlama GPTQ kernel (_custom_ops.gptq_gemm) called directly: 2/3/4/8 bits,
             fp16 only; vLLM 0.24 no longer selects it at 2 or 3 bits, its kernels remain.
 
+torchao is no peer of its own here: with torch 2.11 + cu130 its int4 weight-only path that runs is
+the tinygemm format above (its 'plain' / 'preshuffled' formats need the mslk package, its intx
+weight-only path stores int8 and calls F.linear, and its wheel's own kernels are fp8 / mxfp8).
+
 `--peers` takes `all`, families, or full names (gemlite-w2g128); `--peer-bits` filters.
 A peer that cannot be imported, built or run is recorded with its error, never dropped.
 """
