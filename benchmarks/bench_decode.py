@@ -255,7 +255,7 @@ def peers_summary(results, errors, ms, meta):
         rs = {r["m"]: r for r in steps if r["method"] == meth}
         cells = {f"M={m}": f"{rs[m]['us']:.0f}" for m in ms if m in rs}
         cells["B/w"] = f"{next(iter(rs.values()))['bpw']:.3f}"
-        rows.append((meth, cells))
+        rows.append((pe.label(meth, next(iter(rs.values()))), cells))
     bg.log(f"\n# kbit and its peers, {meta['model']} x {meta['layers']} layers, {meta['gpu']} ({meta['commit']}): "
            f"B/w = bytes per weight incl. scales / zeros / absmax; µs per step")
     bg.log(pe.table(rows, ["B/w"] + [f"M={m}" for m in ms]))

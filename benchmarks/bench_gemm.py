@@ -399,7 +399,7 @@ def peers_summary(results, errors, meta):
         rs = {(r["m"], r["n"], r["k"]): r for r in results if r["method"] == meth}
         cells = {f"M={m} {n}x{k}": f"{rs[(m, n, k)]['us']:.1f}" for m, n, k in cols if (m, n, k) in rs}
         cells["B/w"] = f"{next(iter(rs.values())).get('bpw', 0):.3f}"
-        rows.append((meth, cells))
+        rows.append((pe.label(meth, next(iter(rs.values()))), cells))
     log(pe.table(rows, ["B/w"] + [f"M={m} {n}x{k}" for m, n, k in cols]))
     seen = set()
     for e in errors:

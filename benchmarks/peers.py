@@ -368,6 +368,12 @@ def gpu_tag(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "gpu"
 
 
+def label(method: str, record: dict) -> str:
+    """A table's row label: the method, and for a peer that delegates, the kernel it ran."""
+    kernel = record.get("kernel")
+    return f"{method} ({kernel.removesuffix('LinearKernel')})" if kernel and kernel != "gptq_gemm" else method
+
+
 def table(rows, cols, row_label="method"):
     """Text table, columns right-aligned to their widest cell: rows = [(label, {col: cell})];
     a missing cell prints as '-'."""

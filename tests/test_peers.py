@@ -80,6 +80,12 @@ def test_describe_error_is_one_line():
     assert pe.describe_error(KeyError()) == "KeyError"
 
 
+def test_row_labels_name_the_kernel_a_peer_delegates_to():
+    assert pe.label("gptq-w4g128", {"kernel": "MacheteLinearKernel"}) == "gptq-w4g128 (Machete)"
+    assert pe.label("exllama-w3g128", {"kernel": "gptq_gemm"}) == "exllama-w3g128"
+    assert pe.label("kbit4", {}) == "kbit4"
+
+
 def test_gpu_tag():
     assert pe.gpu_tag("NVIDIA H100 80GB HBM3") == "h100"
     assert pe.gpu_tag("NVIDIA H200") == "h200"
