@@ -278,8 +278,8 @@ def _gemlite(n, k, bits, group):
         del wq
         meta = layer.get_meta_args()
         if GEMLITE.mode == "borrow":
-            # type_id as gemlite's forward computes it: fp16 and bf16 share configs
-            _gemlite_borrow(n, k, bits, group, meta[4], 1 * 100 + bits, GEMLITE.ms)
+            from gemlite import DType  # type_id as gemlite's forward computes it (bf16 shares fp16's)
+            _gemlite_borrow(n, k, bits, group, meta[4], DType.FP16.value * 100 + bits, GEMLITE.ms)
         GEMLITE.templates[key] = (layer.get_tensor_args(), meta)
     targs, meta = GEMLITE.templates[key]
     args = [t.clone() for t in targs]  # each layer its own weights (as the decode step needs)
