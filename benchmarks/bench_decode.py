@@ -11,9 +11,12 @@ vLLM is importable.
   python3 benchmarks/bench_decode.py --between   # an elementwise kernel writes x before each GEMM
   python3 benchmarks/bench_decode.py --model qwen2.5-7b   # another model's layer shapes
   python3 benchmarks/bench_decode.py --model llama3-70b --layers 16 --no-baselines   # fewer layers: 70B's fit one GPU
+  python3 benchmarks/bench_decode.py --peers all --bits 2,3,4 --ms 1,16,64,256   # + GemLite, tinygemm, vLLM
+      # GPTQ / ExLlama (benchmarks/peers.py); writes bench_decode_peers_<model>_<gpu>.json / .png
 
 Reports µs per step, GB/s of the weights read (and % of the copy bandwidth measured in the same
-run); --per-shape also replays the model's layers of one shape at a time (µs per kernel).
+run), bytes per weight of each format, and the K=2 / K=4 step-time ratio where both ran;
+--per-shape also replays the model's layers of one shape at a time (µs per kernel).
 """
 from __future__ import annotations
 
@@ -23,11 +26,13 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gemm as bg  # noqa: E402  (methods, timer, commit stamp)
+import peers as pe  # noqa: E402  (the other low-bit kernels)
 
 # model -> (layers, {layer: (N, K)}), the merged q/k/v and gate/up as vLLM runs them
 MODELS = {
@@ -76,7 +81,9 @@ def between(calls):
     return [(lambda t, fn=fn: fn(t.mul_(1.0)), k) for fn, k in calls]
 
 
-def make(method, n, k, bits):
+def make(method, n, k, bits, peers=None):
+    if peers and method in peers:
+        return pe.make(peers[method], n, k)
     if method.startswith("kbit"):  # kbitB or kbitB-PATH:SPLITS (a forced path, tuning)
         path, splits = (method.split("-", 1)[1].split(":") + ["0"])[:2] if "-" in method else ("auto", "0")
         return bg.kbit_method(n, k, bits, bg.PATHS[path], int(splits))
@@ -97,8 +104,16 @@ def main():
                          "kernels alone is reported as method 'between'")
     ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
     ap.add_argument("--layers", type=int, default=0, help="layers in the graph (default: the model's)")
+    ap.add_argument("--peers", default="", help="other low-bit kernels beside kbit: 'all', families (gemlite, "
+                    "tinygemm, gptq, exllama) or FAMILY-wBgG names, comma separated (benchmarks/peers.py)")
+    ap.add_argument("--peer-bits", default="2,3,4", help="bit widths of the peer families' defaults")
+    ap.add_argument("--gemlite-tune", default="borrow", choices=("borrow", "fast"),
+                    help="GemLite's launch configs: its shipped H100 table + borrowed 4-bit entries, or its "
+                         "own autotuning (minutes per shape set)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
+    peers = {p.name: p for p in pe.select(args.peers, [int(b) for b in args.peer_bits.split(",") if b])}
+    pe.GEMLITE.mode = args.gemlite_tune
     n_layers, shapes = MODELS[args.model]
     n_layers = args.layers or n_layers
     ks = sorted({k for _, k in shapes.values()})
@@ -114,10 +129,13 @@ def main():
             methods += ["marlin-g128", "machete-g128"]
         except Exception as e:  # noqa: BLE001
             bg.log(f"# vLLM not importable ({type(e).__name__}); Marlin / Machete skipped")
+    methods += list(peers)
+    pe.GEMLITE.ms = tuple(ms)
     copy_bw = bg.copy_bandwidth(bg.Timer())
     gpu = torch.cuda.get_device_name()
     bg.log(f"# {gpu}; device-to-device copy {copy_bw:.0f} GB/s")
     results = []
+    errors = []  # peers that could not be built or run: {"method", "m", "error"}
     if args.between:
         for m in ms:
             xs = {k: torch.randn(m, k, dtype=bg.DT, device="cuda") for k in ks}
@@ -127,26 +145,51 @@ def main():
     for method in methods:
         bits = int(method[4:].split("-")[0]) if method.startswith("kbit") else 4
         layers, wbytes = [], {}
+        t0 = time.perf_counter()
         try:
             for _ in range(n_layers):
                 layer = {}
                 for name, (n, k) in shapes.items():
-                    layer[name], wbytes[name] = make(method, n, k, bits)
+                    layer[name], wbytes[name] = make(method, n, k, bits, peers)
                 layers.append(layer)
         except Exception as e:  # noqa: BLE001
             bg.log(f"# {method} unavailable: {type(e).__name__}: {e}")
+            if method in peers:
+                errors.append({"method": method, "m": None, "error": pe.describe_error(e)})
+            del layers
+            torch.cuda.empty_cache()
             continue
+        dt = peers[method].dtype if method in peers else bg.DT
+        if method in peers:  # where a run's minutes go (GemLite compiles its kernels at the first call of each M)
+            bg.log(f"# {method}: weights built in {time.perf_counter() - t0:.1f} s")
         for m in ms:
             if "-gemv" in method and m > 16:
                 continue
-            xs = {k: torch.randn(m, k, dtype=bg.DT, device="cuda") for k in ks}
+            xs = {k: torch.randn(m, k, dtype=dt, device="cuda") for k in ks}
             calls = [(layer[name], shapes[name][1]) for layer in layers for name in shapes]
             if args.between:
                 calls = between(calls)
-            us = graph_time(calls, xs)
+            t1 = time.perf_counter()
+            try:
+                us = graph_time(calls, xs)
+                if method in peers:
+                    bg.log(f"# {method} M={m}: warm-up, capture and replays took {time.perf_counter() - t1:.1f} s")
+            except Exception as e:  # noqa: BLE001
+                if method not in peers:
+                    raise
+                bg.log(f"# {method} failed at M={m}: {pe.describe_error(e)}")
+                errors.append({"method": method, "m": m, "error": pe.describe_error(e)})
+                continue
             wb = n_layers * sum(wbytes.values())
             r = {"method": method, "m": m, "what": "step", "us": us, "weight_bytes": wb,
-                 "gbs": wb / (us * 1e-6) / 1e9, "pct_copy": 100 * wb / (us * 1e-6) / 1e9 / copy_bw}
+                 "gbs": wb / (us * 1e-6) / 1e9, "pct_copy": 100 * wb / (us * 1e-6) / 1e9 / copy_bw,
+                 "bpw": wb / (n_layers * sum(n * k for n, k in shapes.values()))}
+            if method in peers:
+                r.update(bits=peers[method].bits, group=peers[method].group, bpw_format=peers[method].bpw,
+                         act="bf16" if dt == torch.bfloat16 else "fp16")
+                kern = getattr(layers[0][next(iter(shapes))], "kernel", None)
+                if kern:
+                    r["kernel"] = kern
             results.append(r)
             bg.log(f"{method:<13} M={m:<3} step {us:8.1f} us  {r['gbs']:6.0f} GB/s  {r['pct_copy']:5.1f}% of copy")
             if args.per_shape:
@@ -164,15 +207,93 @@ def main():
             "env": {k: v for k, v in os.environ.items() if k.startswith("KBIT_")},
             "copy_bw_gbs": copy_bw, "torch": torch.__version__, "model": args.model, "layers": n_layers,
             "shapes": shapes}
+    ratios = k2_vs_k4(results, ms)
+    if ratios:
+        meta["k2_vs_k4"] = ratios
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"bench_decode_{stamp}.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    bg.log(f"\n# decode-step linear layers, {args.model} shapes, {gpu} ({meta['commit']}): µs per step")
-    bg.log("method".ljust(14) + "".join(f"M={m}".rjust(12) for m in ms))
-    for method in (["between"] if args.between else []) + methods:
-        cells = [next((f"{r['us']:.0f}" for r in results if r["method"] == method and r["m"] == m and
-                       r["what"] == "step"), "-") for m in ms]
-        bg.log(method.ljust(14) + "".join(c.rjust(12) for c in cells))
+    fname, payload = f"bench_decode_{stamp}.json", {"meta": meta, "results": results}
+    if peers:  # one file per model and GPU, the latest run's (its meta has the date, commit and command)
+        fname = f"bench_decode_peers_{args.model}_{pe.gpu_tag(gpu)}.json"
+        meta.update(peers=list(peers), **(pe.gemlite_record() if any(
+            p.family == "gemlite" for p in peers.values()) else {}))
+        payload["errors"] = errors
+        if pe.GEMLITE.mode == "fast" and pe.GEMLITE.loaded:
+            bg.log(f"# gemlite's tuned configs: {pe.gemlite_save(args.out)}")
+        try:
+            plot_peers(results, meta, os.path.join(args.out, fname[:-5] + ".png"))
+        except Exception as e:  # noqa: BLE001
+            bg.log(f"# plot skipped: {type(e).__name__}: {e}")
+    with open(os.path.join(args.out, fname), "w") as f:
+        json.dump(payload, f, indent=1)
+    if peers:  # the same table with bytes per weight, and what did not run
+        peers_summary(results, errors, ms, meta)
+    else:
+        bg.log(f"\n# decode-step linear layers, {args.model} shapes, {gpu} ({meta['commit']}): µs per step")
+        bg.log("method".ljust(14) + "".join(f"M={m}".rjust(12) for m in ms))
+        for method in (["between"] if args.between else []) + methods:
+            cells = [next((f"{r['us']:.0f}" for r in results if r["method"] == method and r["m"] == m and
+                           r["what"] == "step"), "-") for m in ms]
+            bg.log(method.ljust(14) + "".join(c.rjust(12) for c in cells))
+    if ratios:
+        bg.log("K=2 / K=4 step-time ratio (K=4 µs / K=2 µs; the aim at M = 1 is >= 1.8x): "
+               + ", ".join(f"M={m} {v:.2f}x" for m, v in ratios.items()))
+
+
+def k2_vs_k4(results, ms):
+    """{M: kbit4 step µs / kbit2 step µs} where both ran (how much faster the 2-bit step is)."""
+    step = {(r["method"], r["m"]): r["us"] for r in results if r["what"] == "step"}
+    return {m: step[("kbit4", m)] / step[("kbit2", m)] for m in ms if ("kbit4", m) in step and ("kbit2", m) in step}
+
+
+def peers_summary(results, errors, ms, meta):
+    """The --peers table: bytes per weight and µs per decode step of every method, then the
+    peers that did not run and why."""
+    steps = [r for r in results if r["what"] == "step" and "bpw" in r]
+    order = sorted({r["method"] for r in steps}, key=bg._method_order)
+    rows = []
+    for meth in order:
+        rs = {r["m"]: r for r in steps if r["method"] == meth}
+        cells = {f"M={m}": f"{rs[m]['us']:.0f}" for m in ms if m in rs}
+        cells["B/w"] = f"{next(iter(rs.values()))['bpw']:.3f}"
+        rows.append((pe.label(meth, next(iter(rs.values()))), cells))
+    bg.log(f"\n# kbit and its peers, {meta['model']} x {meta['layers']} layers, {meta['gpu']} ({meta['commit']}): "
+           f"B/w = bytes per weight incl. scales / zeros / absmax; µs per step")
+    bg.log(pe.table(rows, ["B/w"] + [f"M={m}" for m in ms]))
+    seen = set()
+    for e in errors:
+        if (e["method"], e["error"]) not in seen:
+            seen.add((e["method"], e["error"]))
+            bg.log(f"# not run: {e['method']}: {e['error']}")
+
+
+def plot_peers(results, meta, path):
+    """µs per decode step of every method at each M (bars), bytes per weight in the labels."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = [r for r in results if r["what"] == "step" and "bpw" in r]
+    methods = sorted({r["method"] for r in steps}, key=bg._method_order)
+    ms = sorted({r["m"] for r in steps})
+    fig, axes = plt.subplots(1, len(ms), figsize=(4.2 * len(ms), 0.32 * len(methods) + 1.8), squeeze=False)
+    for ax, m in zip(axes.flat, ms):
+        rs = {r["method"]: r for r in steps if r["m"] == m}
+        names = [meth for meth in methods if meth in rs]
+        ax.barh(range(len(names)), [rs[meth]["us"] for meth in names],
+                color=["C0" if meth.startswith("kbit") else "C7" if meth in bg_baselines() else "C1" for meth in names])
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels([f"{meth} ({rs[meth]['bpw']:.3f} B/w)" for meth in names], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"M={m}", fontsize=9)
+        ax.set_xlabel("µs per step")
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.suptitle(f"decode-step linear layers, {meta['model']} x {meta['layers']} — {meta['gpu']} — {meta['date']} — "
+                 f"{meta['commit']}\n{meta['command']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def bg_baselines():
+    return ("cublas-fp16", "marlin-g128", "marlin-g32", "machete-g128")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ and command into --out, and prints a short table last.
   python benchmarks/bench_gemm.py --also-paths mma,wgmma   # + forced paths beside auto
   python benchmarks/bench_gemm.py --sweep-splits  # split-K factors: GEMV 1..8, --path wgmma 1..16 (tuning)
   python benchmarks/bench_gemm.py --dequant-only  # the dequantize kernel alone (fp16 out), GB/s
+  python benchmarks/bench_gemm.py --peers all --ms 1,16,64,256   # + GemLite, tinygemm, vLLM GPTQ / ExLlama
+                                  # (benchmarks/peers.py; writes bench_gemm_peers_<gpu>.json / .png)
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import subprocess
 import sys
 
 import torch
+
+import peers as pe
 
 SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]  # N x K
 QUICK_SHAPES = [(4096, 4096), (57344, 8192)]
@@ -173,8 +177,16 @@ def main():
                     help="split-K factors: GEMV 1..8 at M in {1, 16}, or with --path wgmma 1..16 at --ms")
     ap.add_argument("--dequant-only", action="store_true",
                     help="time the dequantize kernel (tiled layout -> fp16 W) alone, recorded as M = 0")
+    ap.add_argument("--peers", default="", help="other low-bit kernels beside kbit: 'all', families (gemlite, "
+                    "tinygemm, gptq, exllama) or FAMILY-wBgG names, comma separated (benchmarks/peers.py)")
+    ap.add_argument("--peer-bits", default="2,3,4", help="bit widths of the peer families' defaults")
+    ap.add_argument("--gemlite-tune", default="borrow", choices=("borrow", "fast"),
+                    help="GemLite's launch configs: its shipped H100 table + borrowed 4-bit entries, or its "
+                         "own autotuning (minutes per shape set)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
+    peer_list = pe.select(args.peers, [int(b) for b in args.peer_bits.split(",") if b])
+    pe.GEMLITE.mode = args.gemlite_tune
 
     from vllm_kbit import ops  # noqa: F401  (schemas + extension)
     assert ops.HAS_CUDA_KERNELS, "vllm_kbit._C is not built"
@@ -198,6 +210,7 @@ def main():
             log(f"# vLLM not importable ({type(e).__name__}: {e}); Marlin / Machete skipped")
 
     results = []
+    errors = []  # peers that could not be built or run: {"method", "n", "k", "m", "error"}
 
     def record(n, k, m, method, us, wbytes, **extra):
         moved = wbytes + m * k * 2 + m * n * 2
@@ -235,6 +248,7 @@ def main():
                 del run
                 torch.cuda.empty_cache()
     else:
+        pe.GEMLITE.ms = tuple(ms)
         # forced paths timed beside --path: name -> largest M (the GEMV serves M <= 16 only)
         extra_paths = {p: (16 if p == "gemv" else None) for p in args.also_paths.split(",") if p}
         if args.compare_paths and args.path == "auto":
@@ -260,19 +274,33 @@ def main():
                             methods.append((name, *make(), {}))
                         except Exception as e:  # noqa: BLE001
                             log(f"# {name} unavailable for {n}x{k}: {type(e).__name__}: {e}")
+            for p in peer_list:
+                fn, wb, err = pe.try_make(p, n, k)
+                if err:
+                    errors.append({"method": p.name, "n": n, "k": k, "m": None, "error": err})
+                    log(f"# {p.name} unavailable for {n}x{k}: {err}")
+                    continue
+                methods.append((p.name, fn, wb, {"bits": p.bits, "group": p.group, "bpw_format": p.bpw,
+                                                 "act": "bf16" if p.dtype == torch.bfloat16 else "fp16",
+                                                 **({"kernel": fn.kernel} if hasattr(fn, "kernel") else {})}))
             per_shape.append((n, k, methods))
         for m in sorted(ms):
             for n, k, methods in per_shape:
                 x = torch.randn(m, k, dtype=DT, device="cuda")
+                xb = x.to(torch.bfloat16)  # the activations of peers that take bf16 only (tinygemm)
                 for name, run, wb, extra in methods:
                     if m > extra.get("max_m", 1 << 30):
                         continue
+                    xm = xb if extra.get("act") == "bf16" else x
                     try:
-                        us = timer(lambda: run(x))
+                        us = timer(lambda: run(xm))
                     except Exception as e:  # noqa: BLE001
                         log(f"# {name} failed at {n}x{k} M={m}: {type(e).__name__}: {e}")
+                        if peer_list:
+                            errors.append({"method": name, "n": n, "k": k, "m": m, "error": pe.describe_error(e)})
                         continue
-                    record(n, k, m, name, us, wb, **{kk: v for kk, v in extra.items() if kk != "max_m"})
+                    record(n, k, m, name, us, wb, bpw=wb / (n * k),
+                           **{kk: v for kk, v in extra.items() if kk != "max_m"})
         del per_shape
         torch.cuda.empty_cache()
 
@@ -290,13 +318,23 @@ def main():
             "sms": torch.cuda.get_device_properties(0).multi_processor_count}
     os.makedirs(args.out, exist_ok=True)
     tag = f"bench_gemm_{gpu.replace(' ', '_')}_{stamp}"
+    payload = {"meta": meta, "results": results}
+    if peer_list:  # one file per GPU, the latest run's (its meta has the date, commit and command)
+        tag = f"bench_gemm_peers_{pe.gpu_tag(gpu)}"
+        meta.update(peers=[p.name for p in peer_list], **(pe.gemlite_record() if any(
+            p.family == "gemlite" for p in peer_list) else {}))
+        payload["errors"] = errors
+        if pe.GEMLITE.mode == "fast" and pe.GEMLITE.loaded:
+            log(f"# gemlite's tuned configs: {pe.gemlite_save(args.out)}")
     with open(os.path.join(args.out, tag + ".json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+        json.dump(payload, f, indent=1)
     try:
         plot(results, meta, os.path.join(args.out, tag + ".png"))
     except Exception as e:  # noqa: BLE001
         log(f"# plot skipped: {type(e).__name__}: {e}")
     summary(results, meta)
+    if peer_list:
+        peers_summary(results, errors, meta)
 
 
 def plot(results, meta, path):
@@ -346,6 +384,33 @@ def summary(results, meta):
                     ratio = f" x{r['ratio_marlin-g128']:.2f}" if "ratio_marlin-g128" in r else ""
                     cells.append(f"{r['us']:.1f} [{r['pct_copy']:.0f}%]{ratio}".rjust(19))
             log("  " + meth.ljust(14) + "".join(cells))
+
+
+def peers_summary(results, errors, meta):
+    """The last table of a --peers run: every method's bytes per weight and its µs at each
+    (M, shape); then what could not run, and why."""
+    log("")
+    log(f"# kbit and its peers ({meta['gpu']}, {meta['commit']}): B/w = bytes per weight incl. scales / "
+        f"zeros / absmax; cells: µs (median, L2 flushed)")
+    shapes = sorted({(r["n"], r["k"]) for r in results}, key=lambda s: s[0] * s[1])
+    cols = [(m, n, k) for m in sorted({r["m"] for r in results}) for n, k in shapes]
+    rows = []
+    for meth in sorted({r["method"] for r in results}, key=_method_order):
+        rs = {(r["m"], r["n"], r["k"]): r for r in results if r["method"] == meth}
+        cells = {f"M={m} {n}x{k}": f"{rs[(m, n, k)]['us']:.1f}" for m, n, k in cols if (m, n, k) in rs}
+        cells["B/w"] = f"{next(iter(rs.values())).get('bpw', 0):.3f}"
+        rows.append((pe.label(meth, next(iter(rs.values()))), cells))
+    log(pe.table(rows, ["B/w"] + [f"M={m} {n}x{k}" for m, n, k in cols]))
+    seen = set()
+    for e in errors:
+        if (e["method"], e["error"]) not in seen:
+            seen.add((e["method"], e["error"]))
+            log(f"# not run: {e['method']}: {e['error']}")
+
+
+def _method_order(name):
+    """kbit first, then the baselines, then the peers; by name within each."""
+    return (0 if name.startswith("kbit") else 2 if name.split("-")[0] in pe.FAMILIES else 1, name)
 
 
 if __name__ == "__main__":
