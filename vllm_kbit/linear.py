@@ -40,6 +40,7 @@ class KbitLinearMethod(LinearMethodBase):
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
+        ops.require_kernels(self.prefix)
         bits = self.config.bits
         n, k = sum(output_partition_sizes), input_size_per_partition
         if k % kf.BLOCK_SIZE:
