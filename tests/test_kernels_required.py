@@ -61,8 +61,8 @@ def run_child(mode, reference=False):
 
 @pytest.mark.parametrize("mode, kind, text", [
     ("missing", "not built", "ModuleNotFoundError"),
-    ("import_error", "fails to load", "ImportError: vllm_kbit/_C.so: undefined symbol"),
-    ("os_error", "fails to load", "OSError: vllm_kbit/_C.so: undefined symbol"),
+    ("import_error", "built but fails to load", "ImportError: vllm_kbit/_C.so: undefined symbol"),
+    ("os_error", "built but fails to load", "OSError: vllm_kbit/_C.so: undefined symbol"),
 ])
 def test_missing_or_broken_extension_fails_at_layer_creation_not_at_import(mode, kind, text):
     out, stderr = run_child(mode)
@@ -90,7 +90,7 @@ def fake_gpu_without_kernels(monkeypatch):
         raise ImportError(f"{name}: undefined symbol: _ZN2at4_ops5empty4callE")
     monkeypatch.setattr(ops.importlib, "import_module", broken)
     error = ops._load_extension()
-    assert error.startswith("fails to load: ImportError:")
+    assert error.startswith("built but fails to load (ImportError:")
     monkeypatch.setattr(ops, "HAS_CUDA_KERNELS", False)
     monkeypatch.setattr(ops, "KERNELS_ERROR", error)
     monkeypatch.setattr(ops, "REFERENCE_REQUESTED", False)

@@ -31,7 +31,8 @@ _lib.define("quantize(Tensor weight, Tensor codebook, int bits) -> (Tensor, Tens
 # VLLM_KBIT_REFERENCE=1: run the reference on every device, on purpose (to compare against it).
 REFERENCE_REQUESTED = os.environ.get("VLLM_KBIT_REFERENCE", "0") == "1"
 HAS_CUDA_KERNELS = False
-# Why the CUDA kernels are not loaded (None when they are): "not built: ..." or "fails to load: ...".
+# Why the CUDA kernels are not loaded (None when they are): "not built (...)", "built but fails
+# to load (...)" or "not loaded (VLLM_KBIT_REFERENCE=1 ...)", the import error in the brackets.
 # Importing vllm_kbit never fails for it (vLLM imports the plugin in every process, CPU machines
 # run the reference); creating a kbit layer on a CUDA device does, in require_kernels.
 KERNELS_ERROR: str | None = None
@@ -45,14 +46,14 @@ def _load_extension() -> str | None:
     except ModuleNotFoundError as e:
         if e.name == "vllm_kbit._C":
             return f"not built ({type(e).__name__}: {e})"
-        return f"fails to load: {type(e).__name__}: {e}"  # a module the extension needs
+        return f"built but fails to load ({type(e).__name__}: {e})"  # a module the extension needs
     except (ImportError, OSError) as e:  # e.g. undefined symbol: built against another torch
-        return f"fails to load: {type(e).__name__}: {e}"
+        return f"built but fails to load ({type(e).__name__}: {e})"
     return None
 
 
 if REFERENCE_REQUESTED:
-    KERNELS_ERROR = "not loaded: VLLM_KBIT_REFERENCE=1 asks for the PyTorch reference"
+    KERNELS_ERROR = "not loaded (VLLM_KBIT_REFERENCE=1 asks for the PyTorch reference)"
 else:
     KERNELS_ERROR = _load_extension()
     HAS_CUDA_KERNELS = KERNELS_ERROR is None
