@@ -665,6 +665,19 @@ def _load_codebook(arg: str):
     return value
 
 
+# what a converter CLI reports in one line (cli_error) rather than as a traceback
+CLI_ERRORS = (KbitFormatError, ConversionError, OSError)
+
+
+def cli_error(e: BaseException) -> int:
+    """Print a CLI_ERRORS exception (or Ctrl-C) as one line on stderr; the exit status."""
+    if isinstance(e, KeyboardInterrupt):
+        print("error: interrupted (nothing written)", file=sys.stderr)
+        return 130
+    print("error: " + " ".join(str(e).split()), file=sys.stderr)
+    return 1
+
+
 def main(argv=None) -> int:
     parser = _Parser(prog="python -m vllm_kbit.convert",
                      description="Convert a Hugging Face safetensors model folder to a kbit checkpoint.")
@@ -687,12 +700,8 @@ def main(argv=None) -> int:
         report = convert(args.src, args.dst, args.bits, ignore=args.ignore, codebook=codebook,
                          overwrite=args.overwrite, device=args.device, max_shard_size=args.max_shard_size,
                          quantize_lm_head=args.quantize_lm_head)
-    except (KbitFormatError, ConversionError, OSError) as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted (nothing written)", file=sys.stderr)
-        return 130
+    except (*CLI_ERRORS, KeyboardInterrupt) as e:
+        return cli_error(e)
     print(report.summary())
     return 0
 
