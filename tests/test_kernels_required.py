@@ -3,6 +3,7 @@ kbit layer fails naming what is missing and the build command, unless VLLM_KBIT_
 
 Runs on the CPU: the extension's import is made to fail and torch.cuda.is_available to say yes."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -116,8 +117,17 @@ def test_kbit_linear_method_refuses_a_gpu_without_kernels(fake_gpu_without_kerne
     assert "TORCH_CUDA_ARCH_LIST=8.6 pip install --no-build-isolation -e ." in msg
 
     monkeypatch.setattr(ops, "REFERENCE_REQUESTED", True)  # VLLM_KBIT_REFERENCE=1
-    layer = create(prefix)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("vllm.kbit").addHandler(handler)
+    try:
+        layer = create(prefix)
+    finally:
+        logging.getLogger("vllm.kbit").removeHandler(handler)
     assert layer.qweight.shape == (96, 64 // 32 * 4) and layer.absmax.shape == (96, 2)
+    # the engine's log says what its kbit layers run (benchmarks/e2e.py refuses figures without kernels)
+    assert [r.getMessage() for r in records] == ["vllm_kbit: kbit layers run the PyTorch reference (VLLM_KBIT_REFERENCE=1)"]
 
 
 def test_no_gpu_or_kernels_loaded_creates_layers(monkeypatch):

@@ -79,6 +79,15 @@ def build_command() -> str:
     return f"cd {where} && TORCH_CUDA_ARCH_LIST={arch} pip install --no-build-isolation -e ."
 
 
+def kernels_in_use() -> str:
+    """What this process's kbit layers run, for the logs (benchmarks/e2e.py reads it)."""
+    if HAS_CUDA_KERNELS:
+        return "the CUDA kernels (vllm_kbit._C)"
+    if REFERENCE_REQUESTED:
+        return "the PyTorch reference (VLLM_KBIT_REFERENCE=1)"
+    return f"the PyTorch reference (vllm_kbit._C is {KERNELS_ERROR})"
+
+
 def require_kernels(prefix: str) -> None:
     """Call where a kbit layer is created: on a CUDA device without the CUDA kernels it raises
     KernelsUnavailableError naming the layer, what is missing and the build command, unless
