@@ -18,7 +18,9 @@ here), because dummy loading leaves integer tensors uninitialised, and because o
 without safetensors vLLM quantizes no layer of a GPTQ config (gptq4_dummy shows it).
 Results: JSON + markdown table + PNG in benchmarks/results/ (--out), named e2e_SHAPE.* unless
 --tag names them; the JSON and the table are rewritten after every engine, so a timeout keeps
-what was measured.
+what was measured. Each result keeps vLLM's memory log lines and the GPU's free memory when its
+engine started; each engine's process group is gone before the next starts. A kbit row gets an
+error instead of figures unless its engine logged that kbit layers run the CUDA kernels.
 """
 from __future__ import annotations
 
@@ -38,6 +40,98 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_h
                  vocab_size=128256)
 LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
                   vocab_size=128256)
+
+# vLLM's log lines about GPU memory and the KV cache, kept with each result
+MEMORY_LOG = ("KV cache", "Available KV cache memory", "Model loading took", "memory profiling",
+              "GPU KV cache size", "Maximum concurrency")
+# what the plugin logs in the engine process (vllm_kbit/linear.py)
+KBIT_LOG = "vllm_kbit: kbit layers run "
+KBIT_KERNELS = KBIT_LOG + "the CUDA kernels"
+
+
+def nvml_memory() -> dict:
+    """The GPU's free / total memory through NVML, which, unlike torch.cuda, opens no CUDA
+    context in this process (one would hold GPU memory through the engine's profile)."""
+    try:
+        try:
+            from vllm.third_party import pynvml
+        except ImportError:
+            import pynvml
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible) if visible.isdigit() else 0)
+        mem, name = pynvml.nvmlDeviceGetMemoryInfo(handle), pynvml.nvmlDeviceGetName(handle)
+        return {"gpu": name.decode() if isinstance(name, bytes) else name,
+                "gpu_free_gib": mem.free / 2**30, "gpu_total_gib": mem.total / 2**30}
+    except Exception as e:  # no NVML: recorded, not fatal
+        return {"nvml_error": f"{type(e).__name__}: {e}"}
+
+
+def collect_result(config: dict, lines: list[str], returncode: int | None) -> dict:
+    """One config's row from its worker's output: its figures, or an error. A kbit row whose
+    engine did not log that kbit layers run the CUDA kernels gets an error instead of figures."""
+    logs = {"memory_log": [l.strip() for l in lines if any(k in l for k in MEMORY_LOG)],
+            "kbit_log": [l.strip() for l in lines if KBIT_LOG in l], "returncode": returncode}
+    line = next((l for l in lines if l.startswith("E2E_RESULT ")), None)
+    if line is None:
+        errors = [l for l in lines if "Error" in l]
+        return {"error": (errors or [l for l in lines if l.strip()] or ["no result"])[-1].strip(), **logs}
+    result = json.loads(line[len("E2E_RESULT "):])
+    if config.get("quantization") == "kbit" or result.get("quantization") == "kbit":
+        if not any(KBIT_KERNELS in l for l in logs["kbit_log"]):
+            seen = logs["kbit_log"][-1] if logs["kbit_log"] else f"no '{KBIT_LOG}...' line in the engine's log"
+            return {"error": f"kbit without its CUDA kernels in the engine, figures withheld: {seen}",
+                    "gpu_at_start": result.get("gpu_at_start"), "kbit_extension_here": result.get("kbit_extension_here"),
+                    **logs}
+    result["kernel_log"] = [l for l in lines if "Using" in l and "Kernel" in l][:2]
+    return {**result, **logs}
+
+
+def process_group_alive(pgid: int) -> bool:
+    """Whether a process of the group is still running (zombies hold no GPU memory)."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def wait_group_gone(pgid: int, timeout: float = 120.0) -> bool:
+    """Wait until the worker's process group (the engine core and its helpers) has exited;
+    kill what is left after `timeout`. True when it went by itself."""
+    deadline = time.monotonic() + timeout
+    while process_group_alive(pgid):
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(pgid, 9)
+            except ProcessLookupError:
+                pass
+            while process_group_alive(pgid):
+                time.sleep(0.5)
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def in_child(fn, *args, **kwargs) -> None:
+    """Run fn in a fresh process: its CUDA work leaves no context (nor GPU memory) in this one."""
+    import multiprocessing
+
+    p = multiprocessing.get_context("spawn").Process(target=fn, args=args, kwargs=kwargs)
+    p.start()
+    p.join()
+    if p.exitcode != 0:
+        raise RuntimeError(f"{fn.__name__}{args} failed (exit status {p.exitcode})")
 
 
 def write_model_dir(dst: Path, shape: dict) -> Path:
@@ -139,6 +233,9 @@ def worker(args) -> None:
         kw["load_format"] = args.load_format
     if args.dtype:
         kw["dtype"] = args.dtype
+    from vllm_kbit import ops
+
+    at_start = nvml_memory()  # before this engine: what the previous ones left
     t0 = time.perf_counter()
     llm = LLM(**kw)
     startup = time.perf_counter() - t0
@@ -152,7 +249,10 @@ def worker(args) -> None:
            "kv_cache_tokens": (vc.cache_config.num_gpu_blocks or 0) * vc.cache_config.block_size,
            "max_num_seqs": vc.scheduler_config.max_num_seqs,
            "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
-           "gpu_mem_used_gib": (torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]) / 2**30}
+           "gpu_mem_used_gib": (torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]) / 2**30,
+           "gpu_at_start": at_start, "gpu": torch.cuda.get_device_name(),
+           # this process's view; the engine process's is its log line (collect_result)
+           "kbit_extension_here": ops.kernels_in_use()}
     print("E2E_PARTIAL " + json.dumps(out), flush=True)  # what is measured so far survives a timeout
     lat_sp = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0.0)
     for bs in (1, 16) if args.iters else ():
@@ -223,8 +323,9 @@ def main() -> None:
         if c.get("gptq"):
             # dummy loading reads no weights: its folder needs the config (and tokenizer) alone
             dummy = c.get("load_format") == "dummy"
-            model = write_gptq_dir(base, args.workdir / f"llama-{args.shape}-gptq4{'-config' if dummy else ''}",
-                                   weights=not dummy)
+            model = args.workdir / f"llama-{args.shape}-gptq4{'-config' if dummy else ''}"
+            if not (model / "config.json").exists():
+                in_child(write_gptq_dir, base, model, weights=not dummy)
             extra = ["--dtype", "float16"]
         if c.get("load_format"):
             extra += ["--load-format", c["load_format"]]
@@ -235,30 +336,35 @@ def main() -> None:
                "--num-prompts", str(args.num_prompts), "--max-num-seqs", str(args.max_num_seqs), *extra]
         print("$", " ".join(assignments + cmd), flush=True)
         # stdout and stderr together, streamed: E2E_PARTIAL lines show up as they are measured
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+        # its own process group: the engine core and its helpers are waited for (and their GPU
+        # memory freed) before the next config starts
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+                             start_new_session=True)
         lines = []
         for l in p.stdout:
             lines.append(l.rstrip("\n"))
             if l.startswith("E2E_PARTIAL "):
                 print(f"  {name}: {l[len('E2E_PARTIAL '):].rstrip()}", flush=True)
         p.wait()
-        line = next((l for l in lines if l.startswith("E2E_RESULT ")), None)
-        if line is None:
+        exited = wait_group_gone(p.pid)
+        results[name] = collect_result(c, lines, p.returncode)
+        if not exited:
+            results[name]["stragglers_killed"] = True
+        if "error" in results[name]:
             print("\n".join(lines)[-8000:])
-            errors = [l for l in lines if "Error" in l]
-            results[name] = {"error": (errors or [l for l in lines if l.strip()] or ["no result"])[-1].strip()}
-            continue
-        results[name] = json.loads(line[len("E2E_RESULT "):])
-        kernel = [l for l in lines if "Using" in l and "Kernel" in l]
-        results[name]["kernel_log"] = kernel[:2]
-        print(name, results[name], flush=True)
+            print(name, "error:", results[name]["error"], flush=True)
+        else:
+            print(name, {k: v for k, v in results[name].items() if k not in ("memory_log", "kbit_log")}, flush=True)
         report(args, results, final=False)  # what is measured so far survives a timeout of the rest
     report(args, results)
 
 
 def report(args, results, final: bool = True) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    stamp = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
+    # the GPU's name from a result or NVML: torch.cuda here would hold a CUDA context (and GPU
+    # memory) in this process through every later engine
+    gpu = next((r["gpu"] for r in results.values() if "gpu" in r), None) or nvml_memory().get("gpu", "unknown GPU")
+    stamp = {"gpu": gpu, "date": datetime.date.today().isoformat(),
              # the device machine gets the tree without .git: the caller passes the commit
              "commit": os.environ.get("KBIT_GIT_COMMIT") or subprocess.run(
                  ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip(),

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from vllm_kbit import format as kf
+from vllm_kbit.check import gpu_problem
 from vllm_kbit.convert import convert
 from vllm_kbit.synthetic import ARCHITECTURES, make_random_model
 
@@ -53,10 +54,11 @@ def main() -> int:
     print(convert(src, dst, args.bits, overwrite=True).summary())
     check(src, dst, args.bits)
 
-    if not torch.cuda.is_available():
-        print("No CUDA GPU on this machine: stopping after conversion. vLLM serves kbit models on "
-              f"NVIDIA GPUs (sm_80+): `vllm serve {dst}`.")
-        return 0
+    problem = gpu_problem()
+    if problem:
+        print(f"Stopping after the conversion: {problem}. vLLM serves kbit models on NVIDIA GPUs "
+              f"(sm_80+) with the kbit kernels: `vllm serve {dst}`.")
+        return 0 if not torch.cuda.is_available() else 1
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(dst), max_model_len=512, gpu_memory_utilization=0.3)

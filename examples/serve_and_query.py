@@ -10,6 +10,8 @@ import sys
 import time
 import urllib.request
 
+from vllm_kbit.check import gpu_problem
+
 
 def post(url, body):
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
@@ -22,6 +24,10 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--port", type=int, default=8011)
     args = ap.parse_args()
+    problem = gpu_problem()  # before starting a server that would fail with a less direct error
+    if problem:
+        print(f"error: serve_and_query.py needs a CUDA GPU with the kbit kernels: {problem}", file=sys.stderr)
+        return 1
     base = f"http://127.0.0.1:{args.port}"
     cmd = ["vllm", "serve", args.model, "--port", str(args.port), "--max-model-len", "1024",
            "--gpu-memory-utilization", "0.5"]

@@ -26,18 +26,25 @@ the quantizer's working set for it (a float32 copy, plus up to 256 MiB of scratc
 
 Atomicity: everything is written into a hidden temporary folder beside DST, which is renamed
 to DST only once complete; an existing DST (with overwrite) is removed only after that. On any
-error the temporary folder is removed and an existing DST is left as it was.
+error, Ctrl-C or SIGTERM the temporary folder is removed and an existing DST is left as it was;
+one that a killed conversion (SIGKILL, power loss) left is removed by the next conversion to
+the same DST once its process is gone. Every source shard is checked to be complete, and every
+weight to quantize to be in range, before anything is written.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
+import socket
 import struct
 import sys
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,7 +198,24 @@ def _header(path: Path) -> dict:
     if not isinstance(header, dict):
         raise ConversionError(f"{path} is not a safetensors file")
     header.pop("__metadata__", None)
+    _check_complete(path, n, header)
     return header
+
+
+def _check_complete(path: Path, header_len: int, header: dict) -> None:
+    """The tensor data the header describes must fill the rest of the file exactly (what
+    safetensors itself requires when the tensor is read): a truncated download or copy is found
+    here, before anything is written, rather than mid-way through the conversion."""
+    try:
+        end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise ConversionError(f"{path} is not a safetensors file (a tensor entry without data_offsets)") from None
+    held = os.path.getsize(path) - 8 - header_len
+    if end != held:
+        what = "truncated" if end > held else "longer than its header says"
+        raise ConversionError(
+            f"{path} is {what}: its header describes {end} bytes of tensor data, the file holds {held} "
+            f"(an incomplete download or copy?); fetch it again")
 
 
 # ----------------------------------------------------------------------------- which tensors
@@ -328,6 +352,116 @@ def _check_fused_groups(linears: dict, selected: set[str]) -> None:
                     f"ignore all of them or none")
 
 
+# ----------------------------------------------------------------------------- checks before writing
+
+def _check_ranges(items: list[_Item], device: torch.device, progress: bool) -> None:
+    """Every weight to quantize must be finite with a block absmax within E4M4 (a larger one
+    would be clipped). Each is read once more for its max |w| (streamed, one tensor at a
+    time) so that all offenders are reported together, before anything is written."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    bad: dict[str, str] = {}
+    todo = [it for it in items if it.quantize]
+    for it in tqdm(todo, unit="tensor", desc="kbit range check", disable=not progress, file=sys.stderr):
+        with safe_open(str(it.file), framework="pt") as f:
+            t = f.get_tensor(it.name)
+        if t.numel() == 0:
+            continue
+        lo, hi = torch.aminmax(t.to(device))
+        top = max(-float(lo), float(hi))
+        if top != top or top == float("inf"):
+            bad[it.name] = "NaN/Inf values"
+        elif top > kf.E4M4_MAX:
+            bad[it.name] = f"max |w| = {top:.4g}"
+        del t
+    if not bad:
+        return
+    modules = [name[:-len(".weight")] for name in bad]
+    ignore = []
+    for mod in modules:  # vLLM fuses some linears into one layer: ignore all of them or none
+        parent, _, leaf = mod.rpartition(".")
+        group = next((g for g in FUSED_GROUPS if leaf in g), (leaf,))
+        ignore += [f"{parent}.{g}" if parent else g for g in group]
+    ignore = list(dict.fromkeys(ignore))
+    raise KbitFormatError(
+        f"{len(bad)} weight(s) cannot be quantized (a block absmax above the E4M4 range, max "
+        f"{kf.E4M4_MAX}, would be clipped; NaN/Inf cannot be stored): "
+        + "; ".join(f"{name} ({why})" for name, why in bad.items())
+        + ". Keep them unquantized: " + " ".join(f"--ignore {m}" for m in ignore) + " (or rescale them)")
+
+
+# ----------------------------------------------------------------------------- interruption
+
+class _Terminated(BaseException):
+    """SIGTERM during convert: unwinds like KeyboardInterrupt, so the temporary folder goes."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While converting, SIGTERM (kill, timeout, container stop) unwinds convert() as Ctrl-C
+    does, removing the temporary folder; the previous handler then gets the signal (the default
+    one ends the process, whose status says terminated). Only the main thread gets signals."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous in (signal.SIG_IGN, None) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    except _Terminated:
+        _note("terminated (SIGTERM): nothing written, temporary folder removed")
+        signal.signal(signal.SIGTERM, previous)
+        signal.raise_signal(signal.SIGTERM)
+        raise InterruptedError("conversion terminated by SIGTERM; nothing written") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _temp_prefix(dst: Path) -> str:
+    return f".{dst.name}.kbit-tmp-"
+
+
+def _owner_tag() -> str:
+    """host-pid: who writes a temporary folder, so a later run can tell a dead one."""
+    return f"{re.sub(r'[^A-Za-z0-9]', '', socket.gethostname()) or 'host'}-{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. another user's process
+        return True
+    return True
+
+
+def _clear_stale_temps(dst: Path) -> None:
+    """Remove temporary folders that earlier conversions to `dst` on this host left behind when
+    killed (SIGKILL, power loss); report those that may belong to one still running."""
+    prefix = _temp_prefix(dst)
+    if not dst.parent.is_dir():
+        return
+    host = _owner_tag().rpartition("-")[0]
+    for name in sorted(os.listdir(dst.parent)):
+        if not name.startswith(prefix):
+            continue
+        path = dst.parent / name
+        m = re.fullmatch(r"(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-.+", name[len(prefix):])
+        if m and m["host"] == host and not _pid_alive(int(m["pid"])):
+            shutil.rmtree(path, ignore_errors=True)
+            _note(f"removed {path}, left by an interrupted conversion (process {m['pid']} is gone)")
+        else:
+            owner = f"process {m['pid']} on {m['host']}" if m else "an unknown process"
+            _note(f"{path} may belong to a conversion still running ({owner}); if none is, remove it")
+
+
 # ----------------------------------------------------------------------------- writing DST
 
 def _copy_other_files(src: Path, out: Path, report: ConversionReport) -> None:
@@ -416,6 +550,7 @@ def _write_shards(items: list[_Item], out: Path, bits: int, codebook: torch.Tens
 
 # ----------------------------------------------------------------------------- API
 
+@_sigterm_unwinds()
 def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = False,
             device: str | torch.device | None = None, max_shard_size: int | str = "2GB",
             progress: bool = True, quantize_lm_head: bool = False) -> ConversionReport:
@@ -493,8 +628,10 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     if quantize_lm_head:
         config["quantization_config"]["lm_head"] = True
 
+    _check_ranges(items, dev, progress)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.kbit-tmp-", dir=dst.parent))
+    _clear_stale_temps(dst)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(dst)}{_owner_tag()}-", dir=dst.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would make DST private
         _write_shards(items, tmp, bits, cb, dev, shard_limit, progress, report)
@@ -528,6 +665,19 @@ def _load_codebook(arg: str):
     return value
 
 
+# what a converter CLI reports in one line (cli_error) rather than as a traceback
+CLI_ERRORS = (KbitFormatError, ConversionError, OSError)
+
+
+def cli_error(e: BaseException) -> int:
+    """Print a CLI_ERRORS exception (or Ctrl-C) as one line on stderr; the exit status."""
+    if isinstance(e, KeyboardInterrupt):
+        print("error: interrupted (nothing written)", file=sys.stderr)
+        return 130
+    print("error: " + " ".join(str(e).split()), file=sys.stderr)
+    return 1
+
+
 def main(argv=None) -> int:
     parser = _Parser(prog="python -m vllm_kbit.convert",
                      description="Convert a Hugging Face safetensors model folder to a kbit checkpoint.")
@@ -550,12 +700,8 @@ def main(argv=None) -> int:
         report = convert(args.src, args.dst, args.bits, ignore=args.ignore, codebook=codebook,
                          overwrite=args.overwrite, device=args.device, max_shard_size=args.max_shard_size,
                          quantize_lm_head=args.quantize_lm_head)
-    except (KbitFormatError, ConversionError, OSError) as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted (nothing written)", file=sys.stderr)
-        return 130
+    except (*CLI_ERRORS, KeyboardInterrupt) as e:
+        return cli_error(e)
     print(report.summary())
     return 0
 

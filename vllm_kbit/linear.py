@@ -14,12 +14,16 @@ from fractions import Fraction
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
+from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
 from vllm.model_executor.layers.quantization.utils.layer_utils import replace_parameter
 from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter, PackedvLLMParameter
 
 from vllm_kbit import format as kf
 from vllm_kbit import ops
+
+# under vLLM's logger, whose handler prints INFO in every vLLM process
+logger = init_logger("vllm.kbit")
 
 # E4M4 codes for the random weights of --load-format dummy: absmax between 0.03 and 0.12,
 # the range of real LLM linear layers, so activations stay healthy.
@@ -40,6 +44,8 @@ class KbitLinearMethod(LinearMethodBase):
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
+        ops.require_kernels(self.prefix)
+        logger.info_once("vllm_kbit: kbit layers run %s", ops.kernels_in_use())
         bits = self.config.bits
         n, k = sum(output_partition_sizes), input_size_per_partition
         if k % kf.BLOCK_SIZE:

@@ -1,9 +1,10 @@
 """The kbit custom ops (`torch.ops.kbit.*`): schemas, fake (meta) kernels, and the reference path.
 
 Schemas live here so they exist with or without the CUDA extension. `vllm_kbit._C` registers
-CUDA kernels for them; where it is not built (CPU machines, or a GPU without the extension)
-the PyTorch reference below serves every device, on the checkpoint layout (repack is then
-the identity). VLLM_KBIT_REFERENCE=1 forces the reference path (to compare against it).
+CUDA kernels for them; where it is not built (CPU machines) the PyTorch reference below serves
+every device, on the checkpoint layout (repack is then the identity). On a CUDA device a kbit
+layer refuses to run without the kernels (require_kernels) unless VLLM_KBIT_REFERENCE=1 asks
+for the reference on purpose (to compare against it); that variable also skips loading them.
 The layout `repack` returns is whatever the kernels of that device read: callers treat it
 as opaque and hand it back to `gemm` unchanged.
 
@@ -27,18 +28,79 @@ _lib.define("gemm(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int b
             "SymInt n, SymInt k, Tensor? bias=None) -> Tensor")
 _lib.define("quantize(Tensor weight, Tensor codebook, int bits) -> (Tensor, Tensor)")
 
+# VLLM_KBIT_REFERENCE=1: run the reference on every device, on purpose (to compare against it).
+REFERENCE_REQUESTED = os.environ.get("VLLM_KBIT_REFERENCE", "0") == "1"
 HAS_CUDA_KERNELS = False
-if os.environ.get("VLLM_KBIT_REFERENCE", "0") != "1":
-    try:  # registers the CUDA kernels for the schemas above
+# Why the CUDA kernels are not loaded (None when they are): "not built (...)", "built but fails
+# to load (...)" or "not loaded (VLLM_KBIT_REFERENCE=1 ...)", the import error in the brackets.
+# Importing vllm_kbit never fails for it (vLLM imports the plugin in every process, CPU machines
+# run the reference); creating a kbit layer on a CUDA device does, in require_kernels.
+KERNELS_ERROR: str | None = None
+
+
+def _load_extension() -> str | None:
+    """Import vllm_kbit._C (it registers the CUDA kernels for the schemas above); the reason
+    it is unusable, or None."""
+    try:
         importlib.import_module("vllm_kbit._C")
-        HAS_CUDA_KERNELS = True
-    except ModuleNotFoundError as e:  # not built (CPU install): the reference serves
-        if e.name != "vllm_kbit._C":
-            raise
+    except ModuleNotFoundError as e:
+        if e.name == "vllm_kbit._C":
+            return f"not built ({type(e).__name__}: {e})"
+        return f"built but fails to load ({type(e).__name__}: {e})"  # a module the extension needs
+    except (ImportError, OSError) as e:  # e.g. undefined symbol: built against another torch
+        return f"built but fails to load ({type(e).__name__}: {e})"
+    return None
+
+
+if REFERENCE_REQUESTED:
+    KERNELS_ERROR = "not loaded (VLLM_KBIT_REFERENCE=1 asks for the PyTorch reference)"
+else:
+    KERNELS_ERROR = _load_extension()
+    HAS_CUDA_KERNELS = KERNELS_ERROR is None
     if not HAS_CUDA_KERNELS and torch.cuda.is_available():
         logging.getLogger(__name__).warning(
-            "vllm_kbit: CUDA is available but the extension vllm_kbit._C is not built; kbit layers "
-            "run the slow PyTorch reference (pip install --no-build-isolation -e . builds it)")
+            "vllm_kbit: CUDA is available but the kbit CUDA extension vllm_kbit._C is %s; creating a "
+            "kbit layer will fail (python3 -m vllm_kbit.check explains; VLLM_KBIT_REFERENCE=1 runs the "
+            "slow PyTorch reference on purpose)", KERNELS_ERROR)
+
+
+class KernelsUnavailableError(RuntimeError):
+    """A kbit layer on a CUDA device without the CUDA kernels (and without VLLM_KBIT_REFERENCE=1)."""
+
+
+def build_command() -> str:
+    """The command that builds the extension for this machine's GPU, from the source folder."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    where = root if os.path.isfile(os.path.join(root, "setup.py")) else "<the vllm_kbit source folder>"
+    arch = "9.0a"  # the default list (8.0;8.6;8.9;9.0a) builds for every supported GPU, slower
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        arch = "9.0a" if (major, minor) == (9, 0) else f"{major}.{minor}"
+    return f"cd {where} && TORCH_CUDA_ARCH_LIST={arch} pip install --no-build-isolation -e ."
+
+
+def kernels_in_use() -> str:
+    """What this process's kbit layers run, for the logs (benchmarks/e2e.py reads it)."""
+    if HAS_CUDA_KERNELS:
+        return "the CUDA kernels (vllm_kbit._C)"
+    if REFERENCE_REQUESTED:
+        return "the PyTorch reference (VLLM_KBIT_REFERENCE=1)"
+    return f"the PyTorch reference (vllm_kbit._C is {KERNELS_ERROR})"
+
+
+def require_kernels(prefix: str) -> None:
+    """Call where a kbit layer is created: on a CUDA device without the CUDA kernels it raises
+    KernelsUnavailableError naming the layer, what is missing and the build command, unless
+    VLLM_KBIT_REFERENCE=1. The reference would serve it, but far slower, and its float
+    dequantization takes GPU memory that vLLM's profile then withholds from the KV cache."""
+    if HAS_CUDA_KERNELS or REFERENCE_REQUESTED or not torch.cuda.is_available():
+        return
+    raise KernelsUnavailableError(
+        f"kbit layer {prefix}: CUDA is available but the kbit CUDA kernels are not: the extension "
+        f"vllm_kbit._C is {KERNELS_ERROR}. Build it with `{build_command()}` (TORCH_CUDA_ARCH_LIST: your "
+        f"GPU's compute capability, 9.0a on Hopper for its wgmma kernel; unset, it builds "
+        f"8.0;8.6;8.9;9.0a), then check with `python3 -m vllm_kbit.check`. To run the slow PyTorch "
+        f"reference on purpose, set VLLM_KBIT_REFERENCE=1.")
 
 
 # ----------------------------------------------------------------------------- reference path

@@ -1,0 +1,192 @@
+"""Converter faults: truncated shards, out-of-range weights (all reported at once, before
+anything is written), SIGTERM mid-conversion, and temporary folders of killed conversions.
+
+Inputs are fresh random tiny Llamas (see test_convert.py); KBIT_TEST_SEED replays a run."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_kbit import convert as kconvert
+from vllm_kbit import format as kf
+from vllm_kbit.convert import INDEX_NAME, ConversionError, convert, main
+from vllm_kbit.format import KbitFormatError
+
+from test_convert import SEED, _tiny_llama, rewrite_weight
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    print(f"KBIT_TEST_SEED={SEED}")
+    return _tiny_llama(tmp_path_factory.mktemp("src") / "llama", SEED + 7)
+
+
+@pytest.fixture
+def src_copy(llama, tmp_path) -> Path:
+    import shutil
+    return Path(shutil.copytree(llama, tmp_path / "src"))
+
+
+@pytest.fixture
+def nothing_written(monkeypatch):
+    """Fail the test if convert gets as far as creating its temporary folder."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("convert created its temporary folder before finding the fault")
+    monkeypatch.setattr(kconvert.tempfile, "mkdtemp", refuse)
+
+
+def shards(src: Path) -> list[Path]:
+    return [src / n for n in sorted(set(json.loads((src / INDEX_NAME).read_text())["weight_map"].values()))]
+
+
+@pytest.mark.parametrize("how", ["truncated", "extended"])
+def test_incomplete_shard_is_found_before_anything_is_written(src_copy, tmp_path, nothing_written, capsys, how):
+    victim = shards(src_copy)[-1]  # the last one: a lazy check would reach it after writing the others
+    size = victim.stat().st_size
+    if how == "truncated":
+        os.truncate(victim, size // 2)  # `truncate -s 50%`: the header stays intact
+    else:
+        with open(victim, "ab") as f:
+            f.write(b"\0" * 16)
+    with pytest.raises(ConversionError, match=re.escape(str(victim))) as e:
+        convert(src_copy, tmp_path / "out", 4, progress=False)
+    assert ("is truncated" if how == "truncated" else "longer than its header says") in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+    capsys.readouterr()
+    assert main([str(src_copy), str(tmp_path / "out"), "--bits", "4"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and str(victim) in err and "\n" not in err
+
+
+def test_all_out_of_range_weights_are_reported_at_once(src_copy, tmp_path, nothing_written, capsys):
+    gen = torch.Generator().manual_seed(SEED)
+    poisoned = {"model.layers.0.mlp.down_proj.weight": 3 * kf.E4M4_MAX,
+                "model.layers.1.self_attn.k_proj.weight": kf.E4M4_MAX + 0.5,
+                "model.layers.1.mlp.up_proj.weight": float("nan")}
+    for name, value in poisoned.items():
+        def edit(w, value=value):
+            w[torch.randint(w.shape[0], (1,), generator=gen), torch.randint(w.shape[1], (1,), generator=gen)] = value
+        rewrite_weight(src_copy, name, edit)
+    with pytest.raises(KbitFormatError) as e:
+        convert(src_copy, tmp_path / "out", 4, progress=False)
+    msg = str(e.value)
+    assert "3 weight(s)" in msg
+    for name in poisoned:
+        assert name in msg
+    assert f"max |w| = {3 * kf.E4M4_MAX:.4g}" in msg and "max |w| = 31.5" in msg and "NaN/Inf" in msg
+    # the hint ignores whole fused groups (vLLM's qkv_proj / gate_up_proj need one scheme)
+    hint = re.findall(r"--ignore (\S+)", msg)
+    assert sorted(hint) == sorted(["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj",
+                                   "model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj",
+                                   "model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_following_the_ignore_hint_converts(src_copy, tmp_path):
+    rewrite_weight(src_copy, "model.layers.0.self_attn.v_proj.weight", lambda w: w.__setitem__((0, 0), -40.0))
+    with pytest.raises(KbitFormatError) as e:
+        convert(src_copy, tmp_path / "out", 3, progress=False)
+    ignore = re.findall(r"--ignore (\S+)", str(e.value))
+    assert len(ignore) == 3
+    report = convert(src_copy, tmp_path / "out", 3, ignore=ignore, progress=False)
+    assert "model.layers.0.self_attn.v_proj.weight" in report.skipped
+    assert "model.layers.1.self_attn.v_proj.weight" in report.quantized
+
+
+# The child converts with a pause once the shards are in the temporary folder, and says so.
+CHILD = textwrap.dedent("""
+    import sys, time
+    from vllm_kbit import convert as c
+    write = c._write_shards
+    def write_then_wait(*args, **kwargs):
+        write(*args, **kwargs)
+        print("WRITTEN", flush=True)
+        time.sleep(120)
+    c._write_shards = write_then_wait
+    sys.exit(c.main(sys.argv[1:]))
+""")
+
+
+def temps(folder: Path, dst_name: str = "out") -> list[str]:
+    return [n for n in os.listdir(folder) if n.startswith(f".{dst_name}.kbit-tmp-")]
+
+
+def test_sigterm_mid_conversion_removes_the_temporary_folder(llama, tmp_path):
+    dst = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-c", CHILD, str(llama), str(dst), "--bits", "4"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "WRITTEN", p.stderr.read()
+        (tmp,) = temps(tmp_path)
+        assert any(n.endswith(".safetensors") for n in os.listdir(tmp_path / tmp))  # a real mid-way state
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == -signal.SIGTERM  # the exit status says terminated
+    assert "terminated (SIGTERM)" in p.stderr.read()
+    assert temps(tmp_path) == [] and not dst.exists()
+
+
+def test_sigterm_handler_is_restored_and_a_callers_handler_runs(llama, tmp_path, monkeypatch):
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        write = kconvert._write_shards
+
+        def write_then_term(*args, **kwargs):
+            write(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the signal arrives first
+            raise AssertionError("SIGTERM did not unwind the conversion")
+        monkeypatch.setattr(kconvert, "_write_shards", write_then_term)
+        with pytest.raises(InterruptedError, match="SIGTERM"):
+            convert(llama, tmp_path / "out", 4, progress=False)
+        assert seen == [signal.SIGTERM]  # the caller's handler got the signal after the cleanup
+        assert temps(tmp_path) == [] and not (tmp_path / "out").exists()
+        monkeypatch.setattr(kconvert, "_write_shards", write)
+        convert(llama, tmp_path / "out", 4, progress=False)
+        assert signal.getsignal(signal.SIGTERM) is not None and seen == [signal.SIGTERM]
+        handler = signal.getsignal(signal.SIGTERM)
+        assert getattr(handler, "__name__", "") == "<lambda>"  # the caller's handler is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_stale_temporary_folders_of_dead_conversions_are_removed(llama, tmp_path, capsys):
+    host, _ = kconvert._owner_tag().rsplit("-", 1)
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()  # a pid that was a conversion and is gone
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = tmp_path / f".out.kbit-tmp-{host}-{done.pid}-abc_1234"
+        alive = tmp_path / f".out.kbit-tmp-{host}-{running.pid}-xyz98765"
+        foreign = tmp_path / ".out.kbit-tmp-otherhost-1-q1w2e3r4"
+        other_dst = tmp_path / f".other.kbit-tmp-{host}-{done.pid}-abc_1234"
+        for d in (dead, alive, foreign, other_dst):
+            d.mkdir()
+            (d / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+        convert(llama, tmp_path / "out", 2, progress=False)
+        err = capsys.readouterr().err
+    finally:
+        running.kill()
+        running.wait()
+    assert not dead.exists() and f"removed {dead}" in err
+    assert alive.exists() and f"{alive} may belong to a conversion still running (process {running.pid}" in err
+    assert foreign.exists() and str(foreign) in err
+    assert other_dst.exists()  # another DST's folder is none of this conversion's business
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert sorted(temps(tmp_path)) == sorted([alive.name, foreign.name])

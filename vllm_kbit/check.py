@@ -1,0 +1,178 @@
+"""Check a vllm_kbit install: `python3 -m vllm_kbit.check` (or `vllm-kbit-check`).
+
+Prints the package, torch and CUDA versions, whether the CUDA extension loaded (or why not),
+the architectures it was built for, the GPU and the kernel paths it gets (each one run once
+against a float64 reference), and whether vLLM loads the plugin and sees the `kbit` method.
+Exit status 1 where a GPU is present but the kbit kernels are not usable on it, or where vLLM
+is installed but does not see `kbit`; 0 otherwise (a machine without a GPU runs the reference).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+# kbit::gemm_path's path ids (csrc/binding.cpp) and an M each path serves
+_PATHS = (("GEMV", 1, 1, None), ("mma.sync", 2, 16, "has_mma"), ("wgmma", 4, 64, "has_wgmma"),
+          ("dequantize + cuBLAS", 3, 128, None))
+_TOL = 2e-2  # relative error of a bf16 product (tests/test_kernels_gpu.py's bound is tighter)
+
+
+def gpu_problem() -> str | None:
+    """Why kbit models cannot be served on this machine's GPU, or None. For scripts that need
+    one: it says what is missing before vLLM fails with a less direct error."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible (torch.cuda.is_available() is False); vLLM serves kbit models on NVIDIA GPUs"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"{torch.cuda.get_device_name()} is sm_{major}{minor}; the kbit kernels need sm_80 or newer"
+    from vllm_kbit import ops
+    if not ops.HAS_CUDA_KERNELS and not ops.REFERENCE_REQUESTED:
+        return (f"the kbit CUDA extension vllm_kbit._C is {ops.KERNELS_ERROR}; build it with "
+                f"`{ops.build_command()}` (python3 -m vllm_kbit.check tells more)")
+    return None
+
+
+def build_info() -> dict | None:
+    try:
+        from vllm_kbit import _build_info
+    except ImportError:
+        return None
+    return {k: getattr(_build_info, k, None) for k in ("EXTENSION", "REASON", "TORCH_CUDA_ARCH_LIST")}
+
+
+def arch_covered(arch_list: str, major: int, minor: int) -> bool:
+    """Whether a TORCH_CUDA_ARCH_LIST holds code that runs on compute capability major.minor:
+    SASS of the same major and a minor not above it (sm_90a's only on 9.0), or PTX not newer."""
+    for entry in arch_list.replace(" ", ";").split(";"):
+        ptx = entry.endswith("+PTX")
+        entry = entry.removesuffix("+PTX")
+        specific = entry.endswith(("a", "f"))
+        try:
+            a_major, a_minor = (int(v) for v in entry.rstrip("af").split("."))
+        except ValueError:
+            continue
+        if ptx and not specific and (a_major, a_minor) <= (major, minor):
+            return True
+        if a_major == major and (a_minor == minor if specific else a_minor <= minor):
+            return True
+    return False
+
+
+def _self_test(name: str, path: int, m: int) -> str:
+    """Run one kernel path on a random bf16 problem; its relative error against float64."""
+    from vllm_kbit import format as kf
+    from vllm_kbit import ops
+
+    n, k, bits = 256, 512, 4
+    w = torch.randn(n, k, device="cuda") * 0.02
+    q, a, _ = ops.quantize(w.to(torch.bfloat16), bits)
+    packed, absmax = ops.repack(q, a, bits)
+    cb = kf.normal_float_codebook(bits).cuda()
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, path)
+    torch.cuda.synchronize()
+    ref = x.double() @ kf.dequantize(q, a, bits, cb, dtype=torch.float64).t()
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    if not err < _TOL:  # (NaN too)
+        raise RuntimeError(f"relative error {err:.2e} against float64 (want < {_TOL})")
+    return f"{name} (M = {m}): ok, relative error {err:.1e}"
+
+
+def _vllm_sees_kbit() -> tuple[bool | None, str]:
+    """(None: vLLM not installed | True | False, what was found)."""
+    try:
+        import vllm
+    except ImportError as e:
+        return None, f"not importable ({type(e).__name__}: {e})"
+    try:
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()  # what every vLLM process does: the vllm.general_plugins entry points
+    except Exception as e:  # a broken vLLM install is reported, not raised
+        return False, f"{vllm.__version__}: loading its plugins failed ({type(e).__name__}: {e})"
+    if "kbit" in QUANTIZATION_METHODS:
+        return True, f"{vllm.__version__}, the `kbit` quantization method is registered"
+    why = ("VLLM_PLUGINS does not list kbit" if os.environ.get("VLLM_PLUGINS") is not None
+           else "no vllm.general_plugins entry point `kbit`: pip install vllm_kbit in this environment")
+    return False, f"{vllm.__version__} does not see the `kbit` method ({why})"
+
+
+def run(out=sys.stdout) -> int:
+    import vllm_kbit
+    from vllm_kbit import ops
+
+    problems: list[str] = []
+
+    def say(line: str = "") -> None:
+        print(line, file=out, flush=True)
+
+    say(f"vllm_kbit {vllm_kbit.__version__} at {os.path.dirname(os.path.abspath(vllm_kbit.__file__))}")
+    say(f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none (CPU build)'}")
+    if ops.HAS_CUDA_KERNELS:
+        import vllm_kbit._C as ext
+        say(f"extension vllm_kbit._C: loaded ({ext.__file__})")
+    else:
+        say(f"extension vllm_kbit._C: {ops.KERNELS_ERROR}")
+    info = build_info()
+    if info is None:
+        say("build: no vllm_kbit/_build_info.py (installed before setup.py wrote it, or from a copy)")
+    elif info["EXTENSION"]:
+        say(f"build: TORCH_CUDA_ARCH_LIST={info['TORCH_CUDA_ARCH_LIST']}")
+    else:
+        say(f"build: without the CUDA extension ({info['REASON']})")
+
+    if not torch.cuda.is_available():
+        say("GPU: none visible: kbit ops run the PyTorch reference (CPU)")
+    else:
+        major, minor = torch.cuda.get_device_capability()
+        say(f"GPU: {torch.cuda.get_device_name()}, compute capability {major}.{minor}")
+        archs = info and info["EXTENSION"] and info["TORCH_CUDA_ARCH_LIST"]
+        if major < 8:
+            problems.append(f"the kbit kernels need compute capability 8.0 or newer, this GPU is {major}.{minor}")
+        elif ops.REFERENCE_REQUESTED:
+            problems.append("VLLM_KBIT_REFERENCE=1 is set: kbit layers run the slow PyTorch reference on "
+                            "this GPU (unset it to check the kernels)")
+        elif not ops.HAS_CUDA_KERNELS:
+            problems.append(f"the extension is {ops.KERNELS_ERROR}; build it: {ops.build_command()}")
+        else:
+            if archs and not arch_covered(archs, major, minor):
+                problems.append(f"the extension was built for TORCH_CUDA_ARCH_LIST={archs}, which has no code "
+                                f"for compute capability {major}.{minor}; rebuild: {ops.build_command()}")
+            if (major, minor) != (9, 0):
+                wgmma_note = ": needs a compute capability 9.0 GPU (Hopper)"
+            elif archs and "9.0a" not in archs:
+                wgmma_note = ": this build has no sm_90a code (TORCH_CUDA_ARCH_LIST without 9.0a)"
+            else:
+                wgmma_note = ": not in this build"
+            say("kernel paths on this GPU:")
+            for name, path, m, flag in _PATHS:
+                if flag is not None and not getattr(torch.ops.kbit, flag)():
+                    say(f"  {name}: not available" + (wgmma_note if flag == "has_wgmma" else ": needs sm_80"))
+                    continue
+                try:
+                    say("  " + _self_test(name, path, m))
+                except Exception as e:
+                    say(f"  {name} (M = {m}): FAILED: {' '.join(str(e).split())[:300]}")
+                    problems.append(f"the {name} kernel fails on this GPU")
+
+    seen, what = _vllm_sees_kbit()
+    say(f"vLLM: {what}")
+    if seen is False:
+        problems.append(f"vLLM {what}")
+
+    for p in problems:
+        say(f"PROBLEM: {p}")
+    if not problems:
+        say("OK: " + ("kbit layers use the CUDA kernels" if torch.cuda.is_available()
+                      else "no GPU; kbit ops run the PyTorch reference"))
+    return 1 if problems else 0
+
+
+def main() -> int:
+    return run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
