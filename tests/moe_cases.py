@@ -10,6 +10,8 @@
 * moe_reference: float64 y[p] = x[p // top_k] @ W_e^T (* topk_weights[p]) from the routing
   itself (independent of the sorting), rows of experts off this rank 0.
 """
+import functools
+
 import torch
 
 from vllm_kbit import format as kf
@@ -47,6 +49,7 @@ def align_ref(topk_ids, block_m, num_experts, expert_map=None):
     return sorted_ids, expert_ids, torch.tensor([ntpp], dtype=torch.int32, device=dev)
 
 
+@functools.lru_cache(maxsize=None)
 def vllm_align():
     """vLLM's moe_align_block_size if it runs here (a CUDA build of vLLM on a GPU), else None."""
     if not torch.cuda.is_available():
