@@ -82,3 +82,19 @@ def test_dequantize_experts_reference(dtype):
     assert w.shape == (3, n, k) and w.dtype == dtype
     for e in range(3):
         assert torch.equal(w[e], kf.dequantize(qweight[e], absmax[e], bits, cb, dtype=dtype))
+
+
+def test_moe_ops_schema_and_fake():
+    """The schemas and fake kernels agree with the reference (opcheck), and moe_gemm traces
+    into a compiled graph as one opaque op."""
+    bits, n, k, top_k, block_m = 2, 64, 64, 2, 16
+    qweight, absmax, cb, _ = _experts(3, n, k, bits)
+    ids, weights = mc.routing(4, 3, top_k, "cpu", seed=0)
+    aligned = mc.align_ref(ids, block_m, 3)
+    x = torch.randn(4, k).to(torch.bfloat16)
+    args = (qweight, absmax, cb, bits, n, k, *aligned, block_m, top_k, weights)
+    torch.library.opcheck(torch.ops.kbit.moe_gemm.default, (x, *args), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.kbit.dequantize_experts.default, (qweight, absmax, cb, bits, n, k, torch.float16),
+                          test_utils=("test_schema", "test_faketensor"))
+    compiled = torch.compile(lambda t: torch.ops.kbit.moe_gemm(t, *args), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), torch.ops.kbit.moe_gemm(x, *args))
