@@ -91,7 +91,7 @@ def cuda_extension():
         return [], {}
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
     archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu") + glob.glob("csrc/generated/*.cu"))
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu") + glob.glob("csrc/generated/*.cu") + glob.glob("csrc/moe/*.cu"))
     if not sources:
         return [], {}
     write_build_info(True, why, ";".join(a for a in archs if a))

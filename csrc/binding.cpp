@@ -1,7 +1,8 @@
 // The one torch binding of the kbit kernels: checks, allocation with the torch allocator,
-// launch on the current stream, launch-error check. Schemas of kbit::repack / gemm / quantize
-// are defined in Python (vllm_kbit/ops.py); this file registers their CUDA kernels and adds a
-// few C++-only ops for tests and benchmarks (TORCH_LIBRARY_FRAGMENT below).
+// launch on the current stream, launch-error check. Schemas of kbit::repack / gemm / quantize /
+// moe_gemm / dequantize_experts are defined in Python (vllm_kbit/ops.py); this file registers
+// their CUDA kernels and adds a few C++-only ops for tests and benchmarks (TORCH_LIBRARY_FRAGMENT
+// below).
 //
 // gemm picks its path from the shape inside the op (GEMV for M <= gemv_max_m(bits), then on Hopper
 // the wgmma kernel up to wgmma_max_m(bits) (above wgmma_short_max_m only where its plan takes
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "kbit_ops.h"
+#include "moe/kbit_moe_ops.h"
 
 namespace kbit {
 namespace {
@@ -374,6 +376,94 @@ at::Tensor dequantize_tiled(const at::Tensor& packed, const at::Tensor& absmax, 
   return w;
 }
 
+// ---------------------------------------------------------------------------------- MoE experts
+
+// Stacked tiled experts: packed int32 [E, units * bits * 128], absmax uint8 [E, units * 128]
+// (row e = kbit::repack of expert e). Returns E.
+int64_t check_experts(const char* op, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
+                      int64_t bits, int64_t n, int64_t k, const at::Tensor& ref) {
+  check_bits(bits);
+  check_tensor(packed, "packed", at::kInt, ref);
+  check_tensor(absmax, "absmax", at::kByte, ref);
+  check_codebook(codebook, bits, ref);
+  TORCH_CHECK(k > 0 && k % kBlockSize == 0, msg("kbit::", op, ": k = ", k, " must be a positive multiple of 32"));
+  TORCH_CHECK(n > 0, msg("kbit::", op, ": n must be positive"));
+  TORCH_CHECK(n <= int64_t(65535) * kUnit && k < (int64_t(1) << 31), msg("kbit::", op, ": expert weight too large"));
+  TORCH_CHECK(packed.dim() == 2 && absmax.dim() == 2, msg("kbit::", op, ": packed and absmax must be the stacked ",
+              "tiled experts [E, words] / [E, bytes], got ", packed.sizes(), " and ", absmax.sizes()));
+  const int64_t e = packed.size(0), u = units(n, k);
+  TORCH_CHECK(e > 0 && e <= 65535, msg("kbit::", op, ": packed has ", e, " experts, expected 1..65535"));
+  TORCH_CHECK(packed.size(1) == u * bits * 128, msg("kbit::", op, ": packed has ", packed.size(1), " words an expert, ",
+              "the tiled layout of ", n, "x", k, " at bits=", bits, " has ", u * bits * 128,
+              " (stack the outputs of kbit::repack)"));
+  TORCH_CHECK(absmax.size(0) == e && absmax.size(1) == u * 128, msg("kbit::", op, ": absmax has shape ",
+              absmax.sizes(), ", expected [", e, ", ", u * 128, "] (stack the outputs of kbit::repack)"));
+  device_props(ref);
+  return e;
+}
+
+void check_index(const char* op, const at::Tensor& t, const char* name, const at::Tensor& ref) {
+  check_tensor(t, name, at::kInt, ref, /*align=*/4);
+  TORCH_CHECK(t.dim() == 1, msg("kbit::", op, ": ", name, " must be 1-D, got ", t.sizes()));
+}
+
+at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
+                    int64_t bits, int64_t n, int64_t k, const at::Tensor& sorted_token_ids,
+                    const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, int64_t block_m,
+                    int64_t top_k, const c10::optional<at::Tensor>& topk_weights) {
+  TORCH_CHECK(x.is_cuda(), msg("kbit::moe_gemm: x must be a CUDA tensor"));
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              msg("kbit::moe_gemm: x must be float16 or bfloat16, got ", x.scalar_type()));
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, msg("kbit::moe_gemm: x must be [T, k = ", k, "], got ", x.sizes()));
+  check_tensor(x, "x", x.scalar_type(), x);
+  const int64_t experts = check_experts("moe_gemm", packed, absmax, codebook, bits, n, k, x);
+  check_index("moe_gemm", sorted_token_ids, "sorted_token_ids", x);
+  check_index("moe_gemm", expert_ids, "expert_ids", x);
+  check_index("moe_gemm", num_tokens_post_padded, "num_tokens_post_padded", x);
+  TORCH_CHECK(block_m >= 1 && block_m <= kMoeMaxBlockM, msg("kbit::moe_gemm: block_m must be 1..", kMoeMaxBlockM,
+              ", got ", block_m));
+  TORCH_CHECK(top_k >= 1, msg("kbit::moe_gemm: top_k must be positive, got ", top_k));
+  const int64_t num_sorted = sorted_token_ids.size(0), num_blocks = (num_sorted + block_m - 1) / block_m;
+  TORCH_CHECK(expert_ids.size(0) >= num_blocks, msg("kbit::moe_gemm: expert_ids has ", expert_ids.size(0),
+              " entries, the ", num_sorted, " sorted ids make ", num_blocks, " blocks of block_m = ", block_m));
+  TORCH_CHECK(num_tokens_post_padded.size(0) >= 1, msg("kbit::moe_gemm: num_tokens_post_padded is empty"));
+  const int64_t num_pairs = x.size(0) * top_k;
+  TORCH_CHECK(num_pairs < (int64_t(1) << 31) && num_pairs * n < (int64_t(1) << 62) && num_sorted < (int64_t(1) << 31),
+              msg("kbit::moe_gemm: too many pairs"));
+  const float* weights = nullptr;
+  if (topk_weights.has_value() && topk_weights->defined()) {
+    check_tensor(*topk_weights, "topk_weights", at::kFloat, x, /*align=*/4);
+    TORCH_CHECK(topk_weights->numel() == num_pairs, msg("kbit::moe_gemm: topk_weights has ", topk_weights->numel(),
+                " elements, expected T * top_k = ", num_pairs));
+    weights = topk_weights->data_ptr<float>();
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty({num_pairs, n}, x.options());
+  check_cuda(launch_moe_gemm(to_dtype(x.scalar_type()), x.data_ptr(),
+                             reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), absmax.data_ptr<uint8_t>(),
+                             codebook.data_ptr<float>(), sorted_token_ids.data_ptr<int32_t>(),
+                             expert_ids.data_ptr<int32_t>(), num_tokens_post_padded.data_ptr<int32_t>(), weights,
+                             y.data_ptr(), int(experts), int(num_pairs), int(num_sorted), int(block_m), int(top_k),
+                             int(n), int(k), int(bits), at::cuda::getCurrentCUDAStream()),
+             "moe_gemm");
+  return y;
+}
+
+at::Tensor dequantize_experts(const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
+                              int64_t bits, int64_t n, int64_t k, at::ScalarType dtype) {
+  TORCH_CHECK(packed.is_cuda(), msg("kbit::dequantize_experts: packed must be a CUDA tensor"));
+  const int64_t experts = check_experts("dequantize_experts", packed, absmax, codebook, bits, n, k, packed);
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
+              msg("kbit::dequantize_experts: dtype must be float16, bfloat16 or float32, got ", dtype));
+  const c10::cuda::CUDAGuard guard(packed.device());
+  at::Tensor w = at::empty({experts, n, k}, packed.options().dtype(dtype));
+  check_cuda(launch_dequantize_experts(to_dtype(dtype), reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
+                                       absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(), w.data_ptr(),
+                                       int(experts), int(n), int(k), int(bits), at::cuda::getCurrentCUDAStream()),
+             "dequantize_experts");
+  return w;
+}
+
 void check_arch_op(int64_t major, int64_t minor) { check_arch(major, minor); }
 
 int64_t gemv_max_m_op(int64_t bits) {
@@ -454,7 +544,7 @@ std::vector<int64_t> mma_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits) 
 }  // namespace
 }  // namespace kbit
 
-// C++-only helper ops (tests, benchmarks). The three public schemas live in vllm_kbit/ops.py.
+// C++-only helper ops (tests, benchmarks). The public schemas live in vllm_kbit/ops.py.
 TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("gemm_path(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, int n, int k, "
         "Tensor? bias, int path, int splits=0) -> Tensor");
@@ -479,6 +569,8 @@ TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
   m.impl("quantize", &kbit::quantize);
   m.impl("gemm_path", &kbit::gemm_path);
   m.impl("dequantize_tiled", &kbit::dequantize_tiled);
+  m.impl("moe_gemm", &kbit::moe_gemm);
+  m.impl("dequantize_experts", &kbit::dequantize_experts);
 }
 
 // `import vllm_kbit._C` loads this library (which runs the registrations above); the module

@@ -1,5 +1,6 @@
 // Dequantize the tiled layout to row-major W rows [n_begin, n_end): the large-M path (dequantize
-// + cuBLAS, in N-chunks so the scratch stays bounded) and a test hook.
+// + cuBLAS, in N-chunks so the scratch stays bounded) and a test hook; and stacked MoE experts
+// whole (launch_dequantize_experts: one launch, the experts on the grid's y dimension).
 // Values are float(codebook[idx]) * decode(absmax) rounded once: bit-exact with
 // format.dequantize.
 //
@@ -24,6 +25,7 @@
 #include "kbit_decode.cuh"
 #include "kbit_layout.cuh"
 #include "kbit_ops.h"
+#include "moe/kbit_moe_ops.h"
 
 namespace kbit {
 namespace {
@@ -49,11 +51,20 @@ template <> struct DqPair<float> { using type = float2; };
 template <typename T> __device__ __forceinline__ typename DqPair<T>::type dq_pair(float a, float b) { return pack2<T>(a, b); }
 template <> __device__ __forceinline__ float2 dq_pair<float>(float a, float b) { return make_float2(a, b); }
 
-template <typename T, int BITS>
+// kStacked: stacked MoE experts (launch_dequantize_experts), expert blockIdx.y's layout and
+// output at the given strides; its own instantiation, so the single-weight kernel keeps its code
+// and registers (the offsets cost it up to 14 registers, sm_90a).
+template <typename T, int BITS, bool kStacked>
 __global__ void __launch_bounds__(kDqWarps * 32) dequant_kernel(const uint32_t* __restrict__ packed,
                                                                 const uint8_t* __restrict__ absmax,
                                                                 const float* __restrict__ codebook, T* __restrict__ w,
-                                                                int n_begin, int n_end, int k) {
+                                                                int n_begin, int n_end, int k, long long expert_words,
+                                                                long long expert_bytes, long long expert_elems) {
+  if constexpr (kStacked) {
+    packed += blockIdx.y * expert_words;
+    absmax += blockIdx.y * expert_bytes;
+    w += blockIdx.y * expert_elems;
+  }
   using S = DqStaging<T>;
   using Pair = typename DqPair<T>::type;
   constexpr int kEntries = 1 << BITS;
@@ -120,10 +131,10 @@ __global__ void __launch_bounds__(kDqWarps * 32) dequant_kernel(const uint32_t* 
   }
 }
 
-template <typename T, int BITS>
+template <typename T, int BITS, bool kStacked>
 cudaError_t launch_dequant_bits(const uint32_t* packed, const uint8_t* absmax, const float* codebook, T* w, int n_begin,
-                                int n_end, int k, cudaStream_t stream) {
-  const auto kernel = dequant_kernel<T, BITS>;
+                                int n_end, int k, int experts, cudaStream_t stream) {
+  const auto kernel = dequant_kernel<T, BITS, kStacked>;
   // a grid-stride loop over units with as many CTAs as are resident at once (asked once per
   // instantiation), so that every warp runs a few units and its next loads overlap its decode
   static const int per_sm = [&] {
@@ -132,23 +143,46 @@ cudaError_t launch_dequant_bits(const uint32_t* packed, const uint8_t* absmax, c
   }();
   const int sms = device_attribute<cudaDevAttrMultiProcessorCount>();
   const long long units = (long long)(n_units(n_end) - n_begin / kUnitN) * k_units(k);
-  const long long cap = (long long)per_sm * (sms > 0 ? sms : 1);
+  // (stacked experts: the resident CTAs shared out over them, at least one each)
+  const long long cap = (long long)per_sm * (sms > 0 ? sms : 1) / experts;
   const long long need = (units + kDqWarps - 1) / kDqWarps;
-  const int grid = int(need < cap ? (need > 0 ? need : 1) : cap);
-  kernel<<<grid, kDqWarps * 32, 0, stream>>>(packed, absmax, codebook, w, n_begin, n_end, k);
+  const int grid = int(need < cap ? (need > 0 ? need : 1) : (cap > 0 ? cap : 1));
+  // one expert's tiled layout and output (stacked: (n_begin, n_end) = (0, n))
+  const long long layout_units = (long long)n_units(n_end) * k_units(k);
+  const long long words = layout_units * unit_words(BITS), bytes = layout_units * kUnitAbsmaxBytes;
+  const long long elems = (long long)n_end * k;
+  kernel<<<dim3(grid, experts, 1), kDqWarps * 32, 0, stream>>>(packed, absmax, codebook, w, n_begin, n_end, k, words,
+                                                               bytes, elems);
   return cudaGetLastError();
 }
 
-template <typename T>
+template <typename T, bool kStacked>
 cudaError_t launch_dequant_t(const uint32_t* packed, const uint8_t* absmax, const float* codebook, T* w, int n_begin,
-                             int n_end, int k, int bits, cudaStream_t stream) {
+                             int n_end, int k, int bits, int experts, cudaStream_t stream) {
   switch (bits) {
-    case 2: return launch_dequant_bits<T, 2>(packed, absmax, codebook, w, n_begin, n_end, k, stream);
-    case 3: return launch_dequant_bits<T, 3>(packed, absmax, codebook, w, n_begin, n_end, k, stream);
-    case 4: return launch_dequant_bits<T, 4>(packed, absmax, codebook, w, n_begin, n_end, k, stream);
-    case 5: return launch_dequant_bits<T, 5>(packed, absmax, codebook, w, n_begin, n_end, k, stream);
+    case 2: return launch_dequant_bits<T, 2, kStacked>(packed, absmax, codebook, w, n_begin, n_end, k, experts, stream);
+    case 3: return launch_dequant_bits<T, 3, kStacked>(packed, absmax, codebook, w, n_begin, n_end, k, experts, stream);
+    case 4: return launch_dequant_bits<T, 4, kStacked>(packed, absmax, codebook, w, n_begin, n_end, k, experts, stream);
+    case 5: return launch_dequant_bits<T, 5, kStacked>(packed, absmax, codebook, w, n_begin, n_end, k, experts, stream);
     default: return cudaErrorInvalidValue;
   }
+}
+
+template <bool kStacked>
+cudaError_t launch_dequant_dtype(DType dtype, const uint32_t* packed, const uint8_t* absmax, const float* codebook,
+                                 void* w, int n_begin, int n_end, int k, int bits, int experts, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kHalf:
+      return launch_dequant_t<__half, kStacked>(packed, absmax, codebook, static_cast<__half*>(w), n_begin, n_end, k,
+                                                bits, experts, stream);
+    case DType::kBFloat16:
+      return launch_dequant_t<__nv_bfloat16, kStacked>(packed, absmax, codebook, static_cast<__nv_bfloat16*>(w),
+                                                       n_begin, n_end, k, bits, experts, stream);
+    case DType::kFloat32:
+      return launch_dequant_t<float, kStacked>(packed, absmax, codebook, static_cast<float*>(w), n_begin, n_end, k,
+                                               bits, experts, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
@@ -156,16 +190,14 @@ cudaError_t launch_dequant_t(const uint32_t* packed, const uint8_t* absmax, cons
 cudaError_t launch_dequantize(DType dtype, const uint32_t* packed, const uint8_t* absmax, const float* codebook,
                               void* w, int n_begin, int n_end, int k, int bits, cudaStream_t stream) {
   if (n_begin < 0 || n_end <= n_begin || k <= 0 || k % kBlock != 0) return cudaErrorInvalidValue;
-  switch (dtype) {
-    case DType::kHalf:
-      return launch_dequant_t(packed, absmax, codebook, static_cast<__half*>(w), n_begin, n_end, k, bits, stream);
-    case DType::kBFloat16:
-      return launch_dequant_t(packed, absmax, codebook, static_cast<__nv_bfloat16*>(w), n_begin, n_end, k, bits,
-                              stream);
-    case DType::kFloat32:
-      return launch_dequant_t(packed, absmax, codebook, static_cast<float*>(w), n_begin, n_end, k, bits, stream);
-  }
-  return cudaErrorInvalidValue;
+  return launch_dequant_dtype<false>(dtype, packed, absmax, codebook, w, n_begin, n_end, k, bits, 1, stream);
+}
+
+cudaError_t launch_dequantize_experts(DType dtype, const uint32_t* packed, const uint8_t* absmax,
+                                      const float* codebook, void* w, int num_experts, int n, int k, int bits,
+                                      cudaStream_t stream) {
+  if (num_experts < 1 || num_experts > 65535 || n < 1 || k <= 0 || k % kBlock != 0) return cudaErrorInvalidValue;
+  return launch_dequant_dtype<true>(dtype, packed, absmax, codebook, w, 0, n, k, bits, num_experts, stream);
 }
 
 }  // namespace kbit

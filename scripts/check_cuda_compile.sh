@@ -10,7 +10,7 @@ NVCC="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
 [ -x "$NVCC" ] || { echo "check_cuda_compile: nvcc not found (set NVCC)"; exit 1; }
 OUTDIR="$(mktemp -d)"; trap 'rm -rf "$OUTDIR"' EXIT
 shopt -s nullglob
-SOURCES=(csrc/*.cu csrc/generated/*.cu)
+SOURCES=(csrc/*.cu csrc/generated/*.cu csrc/moe/*.cu)
 [ ${#SOURCES[@]} -gt 0 ] || { echo "check_cuda_compile: no .cu sources"; exit 0; }
 printf '%s\n' "${SOURCES[@]}" | xargs -P "$(nproc)" -I{} sh -c \
   'log=$("$0" -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a -DKBIT_HAS_SM90A -std=c++17 -O3 --expt-relaxed-constexpr -Icsrc -c "$1" -o "$2/$(basename "$1").o" 2>&1) || { echo "$log"; echo "FAILED: $1"; exit 255; }; [ -n "$log" ] && echo "$log"; if echo "$log" | grep -q "wgmma.*serialized"; then echo "FAILED: $1 (wgmma serialized)"; exit 255; fi; exit 0' \

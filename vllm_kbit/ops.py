@@ -11,6 +11,9 @@ as opaque and hand it back to `gemm` unchanged.
   kbit::repack(qweight, absmax, bits) -> (packed, absmax_packed)      once, at load time
   kbit::gemm(x[M,K], packed, absmax_packed, codebook, bits, n, k, bias?) -> y[M,n]
   kbit::quantize(w[N,K], codebook, bits) -> (qweight, absmax)          checkpoint layout
+  kbit::moe_gemm(x, packed[E], absmax[E], codebook, bits, n, k, sorted ids, expert ids,
+                 num_tokens_post_padded, block_m, top_k, topk_weights?) -> y[T*top_k, n]
+  kbit::dequantize_experts(packed[E], absmax[E], codebook, bits, n, k, dtype) -> W[E, n, k]
 """
 from __future__ import annotations
 
@@ -27,6 +30,11 @@ _lib.define("repack(Tensor qweight, Tensor absmax, int bits) -> (Tensor, Tensor)
 _lib.define("gemm(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, "
             "SymInt n, SymInt k, Tensor? bias=None) -> Tensor")
 _lib.define("quantize(Tensor weight, Tensor codebook, int bits) -> (Tensor, Tensor)")
+_lib.define("moe_gemm(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, "
+            "SymInt k, Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, "
+            "int block_m, int top_k, Tensor? topk_weights=None) -> Tensor")
+_lib.define("dequantize_experts(Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, "
+            "SymInt k, ScalarType dtype) -> Tensor")
 
 # VLLM_KBIT_REFERENCE=1: run the reference on every device, on purpose (to compare against it).
 REFERENCE_REQUESTED = os.environ.get("VLLM_KBIT_REFERENCE", "0") == "1"
@@ -121,11 +129,41 @@ def _quantize_ref(weight, codebook, bits):
     return kf.quantize_checked(weight, bits, codebook)
 
 
+def _moe_gemm_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
+                  num_tokens_post_padded, block_m, top_k, topk_weights=None):
+    # The contract (MoE ops, moe_gemm): row p = x[p // top_k] @ W_e^T (* topk_weights[p]) for the
+    # pairs p of each block of sorted ids that starts below num_tokens_post_padded and has an
+    # expert e >= 0; ids outside [0, num_pairs) are padding; rows no block covers are 0.
+    # Accumulated in float32 and rounded once, as the kernel does. packed[e] / absmax[e] are
+    # expert e's checkpoint tensors here (repack is the identity on this path).
+    num_pairs = x.shape[0] * top_k
+    y = torch.zeros(num_pairs, n, dtype=torch.float32, device=x.device)
+    end = min(int(num_tokens_post_padded.reshape(-1)[0]), sorted_token_ids.numel())
+    weights = topk_weights.reshape(-1).float() if topk_weights is not None else None
+    for start in range(0, end, block_m):
+        e = int(expert_ids[start // block_m])
+        ids = sorted_token_ids[start:start + block_m].long()
+        ids = ids[(ids >= 0) & (ids < num_pairs)]
+        if e < 0 or ids.numel() == 0:
+            continue
+        w = kf.dequantize(packed[e], absmax[e], bits, codebook.float(), dtype=torch.float32)
+        out = x[ids // top_k].float() @ w.t()
+        y[ids] = out * weights[ids, None] if weights is not None else out
+    return y.to(x.dtype)
+
+
+def _dequantize_experts_ref(packed, absmax, codebook, bits, n, k, dtype):
+    return torch.stack([kf.dequantize(packed[e], absmax[e], bits, codebook.float(), dtype=dtype)
+                        for e in range(packed.shape[0])])
+
+
 _REF_KEYS = ["CPU"] if HAS_CUDA_KERNELS else ["CPU", "CUDA"]
 for _key in _REF_KEYS:
     _lib.impl("repack", _repack_ref, _key)
     _lib.impl("gemm", _gemm_ref, _key)
     _lib.impl("quantize", _quantize_ref, _key)
+    _lib.impl("moe_gemm", _moe_gemm_ref, _key)
+    _lib.impl("dequantize_experts", _dequantize_experts_ref, _key)
 
 
 # ----------------------------------------------------------------------------- fake kernels
@@ -133,6 +171,17 @@ for _key in _REF_KEYS:
 @torch.library.register_fake("kbit::gemm")
 def _gemm_fake(x, packed, absmax, codebook, bits, n, k, bias=None):
     return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake("kbit::moe_gemm")
+def _moe_gemm_fake(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
+                   num_tokens_post_padded, block_m, top_k, topk_weights=None):
+    return x.new_empty((x.shape[0] * top_k, n))
+
+
+@torch.library.register_fake("kbit::dequantize_experts")
+def _dequantize_experts_fake(packed, absmax, codebook, bits, n, k, dtype):
+    return packed.new_empty((packed.shape[0], n, k), dtype=dtype)
 
 
 @torch.library.register_fake("kbit::repack")

@@ -1,0 +1,51 @@
+"""Small workload for compute-sanitizer (memcheck / racecheck) of the MoE expert kernels:
+kbit::moe_gemm at every bit width, one and two n8 tiles of real rows, padding shuffled into
+blocks, experts off this rank, the down projection's call, the sorted ids' misleading tail past
+num_tokens_post_padded (moe_cases.align_ref), and kbit::dequantize_experts. Prints one line per
+step; exits non-zero on a wrong result. Not a pytest file (run: python tests/sanitize_moe.py
+from the repository root)."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import moe_cases as mc  # noqa: E402
+from vllm_kbit import format as kf  # noqa: E402
+from vllm_kbit import ops  # noqa: E402
+
+assert torch.cuda.is_available() and ops.HAS_CUDA_KERNELS, "needs a GPU and vllm_kbit._C"
+dev = "cuda"
+ok = True
+global_experts, top_k, n, k = 5, 2, 72, 96
+expert_map = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32, device=dev)
+for bits in (2, 3, 4, 5):
+    qweight, absmax, cb, w64 = mc.make_experts(4, n, k, bits, dev, seed=bits)
+    packed, ap = mc.stack_tiled(qweight, absmax, bits)
+    for dtype in (torch.float16, torch.bfloat16):
+        for m, block_m in ((1, 16), (12, 16), (12, 5)):  # 12 tokens x 2 / 4 local experts: blocks of > 8 rows
+            ids, weights = mc.routing(m, global_experts, top_k, dev, seed=m + bits)
+            sorted_ids, expert_ids, ntpp = mc.align_ref(ids, block_m, global_experts, expert_map)
+            off = expert_map[ids.reshape(-1).long()] < 0
+            # shuffle each block so padding also sits before real ids
+            end = int(ntpp[0])
+            head = sorted_ids[:end].view(-1, block_m)
+            sorted_ids[:end] = torch.gather(head, 1, torch.argsort(torch.rand(head.shape, device=dev), 1)).reshape(-1)
+            x = torch.randn(m, k, device=dev).to(dtype)
+            y = torch.ops.kbit.moe_gemm(x, packed, ap, cb, bits, n, k, sorted_ids, expert_ids, ntpp, block_m, top_k,
+                                        weights)
+            ref = mc.moe_reference(x, ids, weights, w64, top_k, expert_map)
+            ok &= bool(torch.isfinite(y).all()) and bool((y[off] == 0).all())
+            ok &= float(mc.row_errors(y[~off], ref[~off]).max()) < mc.TOL[dtype]
+            x2 = torch.randn(m * top_k, k, device=dev).to(dtype)  # the down projection's call
+            y2 = torch.ops.kbit.moe_gemm(x2, packed, ap, cb, bits, n, k, sorted_ids, expert_ids, ntpp, block_m, 1,
+                                         None)
+            ref2 = mc.moe_reference(x2, ids.reshape(-1, 1), None, w64, 1, expert_map)
+            ok &= bool((y2[off] == 0).all()) and float(mc.row_errors(y2[~off], ref2[~off]).max()) < mc.TOL[dtype]
+        w = torch.ops.kbit.dequantize_experts(packed, ap, cb, bits, n, k, dtype)
+        ok &= all(torch.equal(w[e], kf.dequantize(qweight[e], absmax[e], bits, cb, dtype=dtype)) for e in range(4))
+    print(f"bits={bits}: {'ok' if ok else 'FAIL'}", flush=True)
+torch.cuda.synchronize()
+print("sanitize_moe:", "PASS" if ok else "FAIL")
+sys.exit(0 if ok else 1)
