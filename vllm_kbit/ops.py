@@ -10,6 +10,12 @@ as opaque and hand it back to `gemm` unchanged.
   kbit::repack(qweight, absmax, bits) -> (packed, absmax_packed)      once, at load time
   kbit::gemm(x[M,K], packed, absmax_packed, codebook, bits, n, k, bias?) -> y[M,n]
   kbit::quantize(w[N,K], codebook, bits) -> (qweight, absmax)          checkpoint layout
+  kbit::moe_gemm(x, packed[E], absmax[E], codebook, bits, n, k, sorted_token_ids, expert_ids,
+                 num_tokens_post_padded, block_m, top_k, topk_weights?) -> y[T*top_k, n]
+  kbit::dequantize_experts(packed[E], absmax[E], codebook, bits, n, k, dtype) -> W[E, n, k]
+The two MoE ops follow the contract of the MoE layer (vllm_kbit/moe.py): experts repacked one
+by one and stacked (`repack_experts`), pairs (token, expert) grouped in blocks of block_m as
+vLLM's moe_align_block_size lays them out.
 """
 from __future__ import annotations
 
@@ -26,6 +32,11 @@ _lib.define("repack(Tensor qweight, Tensor absmax, int bits) -> (Tensor, Tensor)
 _lib.define("gemm(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, "
             "SymInt n, SymInt k, Tensor? bias=None) -> Tensor")
 _lib.define("quantize(Tensor weight, Tensor codebook, int bits) -> (Tensor, Tensor)")
+_lib.define("moe_gemm(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, "
+            "SymInt k, Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, "
+            "int block_m, int top_k, Tensor? topk_weights=None) -> Tensor")
+_lib.define("dequantize_experts(Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, "
+            "SymInt k, ScalarType dtype) -> Tensor")
 
 HAS_CUDA_KERNELS = False
 if os.environ.get("VLLM_KBIT_REFERENCE", "0") != "1":
@@ -59,11 +70,65 @@ def _quantize_ref(weight, codebook, bits):
     return kf.quantize_checked(weight, bits, codebook)
 
 
+def _check_expert_layout(packed, absmax, bits, n, k, op):
+    """The reference reads the checkpoint layout, stacked: packed [E, n, k/32*bits], absmax [E, n, k/32]."""
+    e = packed.shape[0]
+    if packed.shape != (e, n, k // kf.BLOCK_SIZE * bits) or packed.dtype != torch.int32:
+        raise ValueError(f"kbit::{op}: packed is {packed.dtype} {tuple(packed.shape)}; the reference path "
+                         f"expects int32 [E, {n}, {k // kf.BLOCK_SIZE * bits}] (n={n}, k={k}, bits={bits})")
+    if absmax.shape != (e, n, k // kf.BLOCK_SIZE) or absmax.dtype != torch.uint8:
+        raise ValueError(f"kbit::{op}: absmax is {absmax.dtype} {tuple(absmax.shape)}; the reference path "
+                         f"expects uint8 [{e}, {n}, {k // kf.BLOCK_SIZE}] (n={n}, k={k})")
+
+
+def _work_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _moe_gemm_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
+                  num_tokens_post_padded, block_m, top_k, topk_weights=None):
+    # Which expert each pair p = token * top_k + slot gets, from the blocks alone (as the kernel
+    # reads them); pairs no valid block covers stay at -1 and give 0. Computed in float32
+    # (float64 for float64 x), rounded to x.dtype once. Shape-only control flow: no host sync.
+    _check_expert_layout(packed, absmax, bits, n, k, "moe_gemm")
+    num_pairs = x.shape[0] * top_k
+    work = _work_dtype(x.dtype)
+    ids = sorted_token_ids.long()
+    nblocks = expert_ids.shape[0]
+    ids = torch.nn.functional.pad(ids, (0, nblocks * block_m - ids.shape[0]), value=num_pairs)[:nblocks * block_m]
+    start = torch.arange(nblocks, device=x.device).repeat_interleave(block_m) * block_m
+    expert = expert_ids.long().repeat_interleave(block_m)
+    valid = (ids < num_pairs) & (start < num_tokens_post_padded.long()) & (expert >= 0)
+    pair_expert = torch.full((num_pairs + 1,), -1, dtype=torch.long, device=x.device)
+    pair_expert.index_put_((torch.where(valid, ids, num_pairs),), torch.where(valid, expert, -1))
+    pair_expert = pair_expert[:num_pairs]
+    rows = x.to(work).repeat_interleave(top_k, dim=0)
+    y = torch.zeros(num_pairs, n, dtype=work, device=x.device)
+    cb = codebook.to(x.device, work)
+    for e in range(packed.shape[0]):
+        w = kf.dequantize(packed[e], absmax[e], bits, cb, dtype=work)
+        y = torch.where((pair_expert == e).unsqueeze(1), rows @ w.t(), y)
+    if topk_weights is not None:
+        y = y * topk_weights.reshape(-1, 1).to(work)
+    return y.to(x.dtype)
+
+
+def _dequantize_experts_ref(packed, absmax, codebook, bits, n, k, dtype):
+    _check_expert_layout(packed, absmax, bits, n, k, "dequantize_experts")
+    cb = codebook.to(packed.device, _work_dtype(dtype))
+    out = torch.empty(packed.shape[0], n, k, dtype=dtype, device=packed.device)
+    for e in range(packed.shape[0]):
+        out[e] = kf.dequantize(packed[e], absmax[e], bits, cb, dtype=dtype)
+    return out
+
+
 _REF_KEYS = ["CPU"] if HAS_CUDA_KERNELS else ["CPU", "CUDA"]
 for _key in _REF_KEYS:
     _lib.impl("repack", _repack_ref, _key)
     _lib.impl("gemm", _gemm_ref, _key)
     _lib.impl("quantize", _quantize_ref, _key)
+    _lib.impl("moe_gemm", _moe_gemm_ref, _key)
+    _lib.impl("dequantize_experts", _dequantize_experts_ref, _key)
 
 
 # ----------------------------------------------------------------------------- fake kernels
@@ -83,6 +148,17 @@ def _quantize_fake(weight, codebook, bits):
     n, k = weight.shape
     return (weight.new_empty((n, k // 32 * bits), dtype=torch.int32),
             weight.new_empty((n, k // 32), dtype=torch.uint8))
+
+
+@torch.library.register_fake("kbit::moe_gemm")
+def _moe_gemm_fake(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
+                   num_tokens_post_padded, block_m, top_k, topk_weights=None):
+    return x.new_empty((x.shape[0] * top_k, n))
+
+
+@torch.library.register_fake("kbit::dequantize_experts")
+def _dequantize_experts_fake(packed, absmax, codebook, bits, n, k, dtype):
+    return packed.new_empty((packed.shape[0], n, k), dtype=dtype)
 
 
 # ----------------------------------------------------------------------------- wrappers
@@ -111,3 +187,39 @@ def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = No
         weight = weight.float()  # e.g. float64: the kernels take 16/32-bit floats
     q, a = torch.ops.kbit.quantize(weight.contiguous(), cb.to(weight.device), bits)
     return q, a, underflow
+
+
+def repack_experts(qweight: torch.Tensor, absmax: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts of one MoE layer, checkpoint layout stacked (qweight int32 [E, n, k/32*bits], absmax
+    uint8 [E, n, k/32]) -> the stacked layout moe_gemm / dequantize_experts read: each expert
+    repacked by `repack`, row e = expert e's output, flattened to [E, P] / [E, U] where the CUDA
+    kernels serve (on the reference path repack is the identity and the stack stays 3-D).
+    One expert at a time: the scratch is one expert's repack output."""
+    num = qweight.shape[0]
+    flat = HAS_CUDA_KERNELS and qweight.is_cuda
+    packed = absmax_packed = None
+    for e in range(num):
+        p, a = repack(qweight[e], absmax[e], bits)
+        if packed is None:
+            shape_p, shape_a = ((p.numel(),), (a.numel(),)) if flat else (p.shape, a.shape)
+            packed = torch.empty((num, *shape_p), dtype=p.dtype, device=p.device)
+            absmax_packed = torch.empty((num, *shape_a), dtype=a.dtype, device=a.device)
+        packed[e] = p.reshape(packed.shape[1:])
+        absmax_packed[e] = a.reshape(absmax_packed.shape[1:])
+    return packed, absmax_packed
+
+
+def moe_gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, bits: int,
+             n: int, k: int, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
+             num_tokens_post_padded: torch.Tensor, block_m: int, top_k: int,
+             topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """y[T*top_k, n]: row p = x[p // top_k] @ W_e^T (times topk_weights.view(-1)[p]) for the
+    expert e of the block that holds pair p; 0 for pairs no block covers."""
+    return torch.ops.kbit.moe_gemm(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
+                                   num_tokens_post_padded, block_m, top_k, topk_weights)
+
+
+def dequantize_experts(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, bits: int,
+                       n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """W[E, n, k] in `dtype` of the stacked experts (a slice packed[e0:e1] gives those experts)."""
+    return torch.ops.kbit.dequantize_experts(packed, absmax, codebook, bits, n, k, dtype)
