@@ -17,10 +17,10 @@ from vllm.model_executor.layers.quantization.compressed_tensors.utils import sho
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from vllm_kbit import format as kf
+from vllm_kbit.convert import ROUTER_PATTERN
 
-# MoE routers (a layer's `gate`, Qwen2-MoE's `shared_expert_gate`, `router`): tiny linears whose
-# rounding would move every token's choice of experts; always float, whatever the ignore list.
-ROUTER_RE = re.compile(r".*\.(gate|router|shared_expert_gate)$")
+# MoE routers: always float, whatever the ignore list (as convert leaves them)
+ROUTER_RE = re.compile(ROUTER_PATTERN[len("re:"):])
 
 
 @register_quantization_config("kbit")
