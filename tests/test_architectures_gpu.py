@@ -1,7 +1,7 @@
 """vLLM end to end on architectures other than Llama (vllm_kbit.synthetic.ARCHITECTURES): each
 reaches our linear layers in its own way (q/k/v biases, q/k norms, projections fused in the
-checkpoint, GeGLU and soft-capping with tied embeddings, MoE experts left unquantized beside kbit
-attention and a kbit shared expert). For each, a random model converted to kbit K=4 runs in
+checkpoint, GeGLU and soft-capping with tied embeddings, MoE models with kbit experts beside
+float routers, a kbit shared expert, MLA attention). For each, a random model converted to kbit K=4 runs in
 vllm.LLM against the same model with the dequantized weights in bf16, teacher-forced over the
 prompts (e2e_common.compare), as tests/test_e2e_gpu.py does for Llama (which it covers with
 CUDA graphs, TP=2 and a kbit lm_head; here every engine is eager, to keep the file short).
@@ -18,12 +18,12 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("vllm")
 
 from vllm_kbit.convert import convert  # noqa: E402
-from vllm_kbit.synthetic import ARCHITECTURES, make_random_model  # noqa: E402
+from vllm_kbit.synthetic import ARCHITECTURES, MOE_ARCHITECTURES, make_random_model  # noqa: E402
 
 from e2e_common import compare, dequantized_copy, logprob_scale, run  # noqa: E402
 
 ARCHS = sorted(a for a in ARCHITECTURES if a != "llama")
-MOE = ("mixtral", "qwen2_moe")
+MOE = MOE_ARCHITECTURES
 
 
 @pytest.fixture(scope="module", params=ARCHS)

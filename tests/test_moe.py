@@ -156,9 +156,12 @@ def test_dequantize_experts(bits, dtype):
     cb = kf.normal_float_codebook(bits).to(DEVICE)
     out = ops.dequantize_experts(packed, absmax, cb, bits, 96, 64, dtype)
     assert out.shape == (5, 96, 64) and out.dtype == dtype
-    assert torch.equal(out.cpu(), w.to(dtype))  # the codebook value times the scale, rounded once
+    # the codebook value times the scale in float32, rounded to dtype: exactly format.dequantize
+    want = torch.stack([kf.dequantize(q[e], a[e], bits, dtype=dtype) for e in range(5)])
+    assert torch.equal(out.cpu(), want)
+    assert (out.cpu().double() - w).abs().max() <= w.abs().max() * 2.0 ** -7
     part = ops.dequantize_experts(packed[1:4], absmax[1:4], cb, bits, 96, 64, dtype)  # a chunk of experts
-    assert torch.equal(part.cpu(), w[1:4].to(dtype))
+    assert torch.equal(part.cpu(), want[1:4])
 
 
 def test_op_fake_impls_and_reference_errors():
@@ -464,3 +467,42 @@ def test_dummy_load_fills_valid_kbit_experts():
     if not ops.HAS_CUDA_KERNELS:
         scale = kf.decode_e4m4(layer.w2_absmax.data.cpu())
         assert 0.028 <= scale.min() and scale.max() <= 0.13
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 4])
+def test_experts_forward_in_a_cuda_graph(bits):
+    """experts_forward captured in a CUDA graph (as vLLM captures moe_forward): no host sync, and
+    replays with new inputs give the eager result, on both paths (4096 tokens: the dense one)."""
+    gen = torch.Generator().manual_seed(10 + bits)
+    ex, w13, w2 = make_experts(8, 256, 128, bits, gen)
+    ex.dense_chunk = 3
+    ex.dense_maps = dense_expert_maps(None, 8, 8, 3, DEVICE)
+    for m in (1, 16, 4096):
+        x, tw, ids = (torch.empty(m, 256, dtype=torch.bfloat16, device=DEVICE),
+                      torch.empty(m, 2, device=DEVICE), torch.empty(m, 2, dtype=torch.int32, device=DEVICE))
+
+        def fill():
+            w, i = routing(m, 8, 2, gen)
+            x.copy_(torch.randn(m, 256, generator=gen).to(torch.bfloat16))
+            tw.copy_(w)
+            ids.copy_(i)
+        fill()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            experts_forward(ex, x, tw, ids)  # warm-up (Triton compiles) outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = experts_forward(ex, x, tw, ids)
+        for _ in range(2):
+            fill()
+            y.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.isfinite(y).all()
+            torch.testing.assert_close(y, experts_forward(ex, x, tw, ids))
+        if m <= 16:
+            ref = _experts_reference(x.cpu(), w13, w2, tw.cpu(), ids.cpu(), MoEActivation.SILU)
+            assert rel_err(y, ref) < 3e-2

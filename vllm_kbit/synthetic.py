@@ -79,8 +79,8 @@ ARCHITECTURES = {
                   "kbit experts; vLLM hands its router (`mlp.gate`) the quant_config, which keeps it float"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1,
-                     "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 64, "kv_lora_rank": 64,
-                     "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32, "rope_scaling": None},
+                     "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 64, "kv_lora_rank": 512,
+                     "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_scaling": None},
                     "MLA attention, a dense first layer, kbit routed and shared experts, float router"),
 }
 # MoE architectures: their experts' intermediate size is intermediate_size / 2 (Mixtral's:
@@ -104,7 +104,8 @@ def make_random_model(dst, *, arch: str = "llama", hidden_size: int = 256, inter
 
     Weights and biases ~ N(0, init_std) (norm weights 1: Gemma 2's norms scale by 1 + weight, so
     its four norms a layer and the final one each double), deterministic in `seed`. Every
-    architecture gets head_dim = hidden_size / num_heads (DeepSeek-V3: MLA with 32-wide heads);
+    architecture gets head_dim = hidden_size / num_heads (DeepSeek-V3: MLA with DeepSeek-V3's head
+    dims, which vLLM's MLA kernels require);
     the MoE ones (MOE_ARCHITECTURES) 4 experts (Qwen3-MoE 8) of intermediate_size / 2 (Mixtral's
     of intermediate_size), Qwen2-MoE beside a shared expert of intermediate_size, DeepSeek-V3
     beside one shared expert and after a dense first layer. `tie_word_embeddings`
