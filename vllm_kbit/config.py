@@ -29,6 +29,8 @@ class KbitConfig(QuantizationConfig):
     exact module names or `re:` regexes; a fused vLLM layer such as qkv_proj is skipped when
     all of its checkpoint shards are). `lm_head` (vLLM's key, as for GPTQ and AWQ; default false):
     the output projection is kbit too (`convert --quantize-lm-head`), served by the same op.
+    MoE experts (vLLM's fused RoutedExperts layer) are kbit too (vllm_kbit.moe.KbitMoEMethod),
+    unless ignored; MoE routers always stay float (ROUTER_RE).
 
     Built by `from_config` for a kbit checkpoint. Built with no arguments (`--quantization kbit`
     on a model without a quantization_config) it quantizes the checkpoint's float weights at
