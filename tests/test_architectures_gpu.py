@@ -8,7 +8,7 @@ CUDA graphs, TP=2 and a kbit lm_head; here every engine is eager, to keep the fi
 Tensor parallel (two GPUs) must match one GPU for the biased and fused-checkpoint models.
 Online quantization (`--quantization kbit` on the float checkpoint) must give what the
 converted checkpoint gives, for the fused-checkpoint and MoE models. MoE models need vLLM's MoE op
-library, which the GPU machine's vLLM bundle leaves out: skipped there."""
+library (vllm._moe_C_stable_libtorch): skipped where this vLLM has none."""
 import importlib.util
 
 import pytest
@@ -30,8 +30,8 @@ MOE = MOE_ARCHITECTURES
 def model(request, tmp_path_factory):
     arch = request.param
     if arch in MOE and importlib.util.find_spec("vllm._moe_C_stable_libtorch") is None:
-        pytest.skip("this vLLM has no MoE op library (vllm._moe_C_stable_libtorch; the GPU machine's bundle "
-                    "leaves it out), so no MoE model runs; test_convert covers the conversion")
+        pytest.skip("this vLLM has no MoE op library (vllm._moe_C_stable_libtorch), so no MoE model runs; "
+                    "test_convert covers the conversion")
     root = tmp_path_factory.mktemp(arch)
     # init_std 0.08 as in test_e2e_gpu: peaked enough next-token distributions for top-1
     src = make_random_model(root / "src", arch=arch, hidden_size=512, intermediate_size=1024, num_layers=2,

@@ -6,8 +6,10 @@ dummy modes, clear errors).
 Runs on the CPU (the ops' reference path and torch stand-ins for vLLM's CUDA MoE pieces) and,
 unchanged, on a GPU with the CUDA kernels and vLLM's MoE ops."""
 import contextlib
+import json
 import socket
 import zlib
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -506,3 +508,115 @@ def test_experts_forward_in_a_cuda_graph(bits):
         if m <= 16:
             ref = _experts_reference(x.cpu(), w13, w2, tw.cpu(), ids.cpu(), MoEActivation.SILU)
             assert rel_err(y, ref) < 3e-2
+
+
+# ----------------------------------------------------------------------------- a whole vLLM model
+
+# arch -> (MoE block name, checkpoint names of gate / up / down)
+MODEL_ARCHS = {"qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+               "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+               "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+
+
+def load_vllm_model(folder, quantization=None):
+    """vLLM's model for `folder`, built and loaded as its engine does (its own load_weights,
+    then process_weights_after_loading), without running it."""
+    from vllm.config import ModelConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+
+    mc = ModelConfig(model=str(folder), dtype="bfloat16", max_model_len=128, quantization=quantization)
+    vc = VllmConfig(model_config=mc)
+    torch.set_default_device(DEVICE)
+    try:
+        with set_current_vllm_config(vc):
+            model = initialize_model(vllm_config=vc)
+            get_model_loader(vc.load_config).load_weights(model, mc)
+            process_weights_after_loading(model, mc, torch.device(DEVICE))
+    finally:
+        torch.set_default_device("cpu")
+    return model
+
+
+def checkpoint_tensors(folder):
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(MODEL_ARCHS))
+def moe_model(request, tmp_path_factory):
+    from vllm_kbit.convert import convert
+    from vllm_kbit.synthetic import make_random_model
+    root = tmp_path_factory.mktemp(request.param)
+    src = make_random_model(root / "src", arch=request.param, hidden_size=64, intermediate_size=128, num_layers=2,
+                            num_heads=4, num_kv_heads=2, vocab_size=320, seed=zlib.crc32(request.param.encode()))
+    convert(src, root / "kbit3", 3, progress=False, max_shard_size="100KB")
+    return request.param, src, root / "kbit3"
+
+
+def test_vllm_model_loads_converted_experts(moe_model):
+    """The architecture's own load_weights maps every per-expert kbit tensor into the layer
+    (gate rows, then up rows), routers stay float, a shared expert is kbit; each layer's
+    experts compute what the checkpoint's float64 dequantized experts compute."""
+    arch, _, kbit = moe_model
+    block, (gate, up, down) = MODEL_ARCHS[arch]
+    model = load_vllm_model(kbit)
+    ckpt = checkpoint_tensors(kbit)
+    gen = torch.Generator().manual_seed(11)
+    for i, layer in enumerate(model.model.layers):
+        moe = getattr(layer, block)
+        experts = moe.experts.routed_experts
+        assert isinstance(experts.quant_method, KbitMoEMethod)
+        assert isinstance(moe.gate.quant_method, UnquantizedLinearMethod)
+        if arch == "qwen2_moe":
+            assert type(moe.shared_expert.down_proj.quant_method).__name__ == "KbitLinearMethod"
+            assert isinstance(moe.shared_expert_gate.quant_method, UnquantizedLinearMethod)
+
+        def deq(e, proj):
+            p = f"model.layers.{i}.{block}.experts.{e}.{proj}"
+            return kf.dequantize(ckpt[p + ".qweight"], ckpt[p + ".absmax"], 3, dtype=torch.float64)
+        num = experts.w13_qweight.shape[0]
+        w13 = torch.stack([torch.cat([deq(e, gate), deq(e, up)]) for e in range(num)])
+        w2 = torch.stack([deq(e, down) for e in range(num)])
+        weights, ids = routing(9, num, experts.top_k, gen)
+        x = torch.randn(9, w13.shape[2], generator=gen).to(torch.bfloat16)
+        assert rel_err(run_layer(experts, x, weights, ids),
+                       _experts_reference(x, w13, w2, weights, ids, MoEActivation.SILU)) < 3e-2
+
+
+def test_vllm_model_reports_a_missing_expert_tensor(moe_model, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    arch, _, kbit = moe_model
+    block, (_, up, _) = MODEL_ARCHS[arch]
+    broken = Path(shutil.copytree(kbit, tmp_path / "broken"))
+    name = f"model.layers.1.{block}.experts.2.{up}.absmax"
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    shard = broken / index["weight_map"].pop(name)
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"model\.layers\.1\.{block}\.experts\.w13_absmax is missing .*expert 2 w3"):
+        load_vllm_model(broken)
+
+
+def test_vllm_model_online_quantization_equals_the_converted_checkpoint(moe_model):
+    """`--quantization kbit` on the float checkpoint: the same kbit experts as convert writes
+    (K=4 is online mode's width; compared with a K=4 conversion)."""
+    from vllm_kbit.convert import convert
+    arch, src, kbit = moe_model
+    block = MODEL_ARCHS[arch][0]
+    k4 = kbit.parent / "kbit4"
+    if not k4.exists():
+        convert(src, k4, 4, progress=False)
+    online, converted = load_vllm_model(src, quantization="kbit"), load_vllm_model(k4)
+    for a, b in zip(online.model.layers, converted.model.layers):
+        ea, eb = getattr(a, block).experts.routed_experts, getattr(b, block).experts.routed_experts
+        assert not hasattr(ea, "w13_weight")
+        for name in ("w13_qweight", "w13_absmax", "w2_qweight", "w2_absmax"):
+            assert torch.equal(getattr(ea, name), getattr(eb, name)), name

@@ -5,6 +5,7 @@ prompts (e2e_common.compare), as tests/test_e2e_gpu.py does for Llama. Eager run
 synthetic architecture, DeepSeek-V3 (MLA) included, and online quantization are in
 tests/test_architectures_gpu.py; the MoE layer alone in a CUDA graph in tests/test_moe.py."""
 import importlib.util
+import math
 
 import pytest
 
@@ -53,3 +54,5 @@ def test_dummy_weights_serve(arch_root):
     _, _, src = arch_root
     got = run(src, "dummy", "--quantization", "kbit", "--load-format", "dummy")
     assert got["quantization"] == "kbit" and all(len(g) > 0 for g in got["greedy"])
+    logprobs = [lp for prompt in got["prompt_logprobs"] for pos in prompt if pos for lp, _ in pos.values()]
+    assert logprobs and all(math.isfinite(lp) for lp in logprobs), "dummy kbit experts must give finite logits"

@@ -202,6 +202,7 @@ def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor
     sorted_ids, expert_ids, num_post = align_block_size(topk_ids, BLOCK_M, global_e, ex.expert_map)
     if apply_router_weight_on_input:
         x = (x.float() * topk_weights.float().reshape(-1, 1)).to(x.dtype)
+    x, topk_weights = x.contiguous(), topk_weights.contiguous()
     h = ops.moe_gemm(x, ex.w13, ex.w13_absmax, ex.codebook, ex.bits, ex.n13, ex.hidden,
                      sorted_ids, expert_ids, num_post, BLOCK_M, top_k)
     a = moe_activation(ex.activation, h)
