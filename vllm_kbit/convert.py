@@ -7,8 +7,8 @@ What is quantized: the weight of every `Linear` of the architecture named by SRC
 found by building that architecture on the meta device with transformers and matching it with
 compressed-tensors (`"Linear"` target), except
   * modules matched by the ignore patterns: DEFAULT_IGNORE (lm_head and MoE routers) plus the
-    caller's (compressed-tensors
-    semantics: an exact module name, or "re:<regex>" matched from the start of the name);
+    caller's (compressed-tensors semantics: an exact module name, or "re:<regex>" matched
+    from the start of the name);
     with quantize_lm_head (`--quantize-lm-head`) lm_head is quantized too, and the config says
     so (`"lm_head": true`, vLLM's key), unless the model ties it to its input embeddings;
   * linears whose in_features is not a multiple of 32: kept, and added by exact module name
