@@ -41,9 +41,8 @@ CHECK_TOL = 2e-2  # relative error of kbit against bf16 of the same (dequantized
 def kbit_experts(shape, bits, gen):
     """Random valid kbit experts (random codes, absmax in the dummy-load range) on the GPU."""
     from vllm_kbit import format as kf
-    from vllm_kbit import ops
     from vllm_kbit.linear import _DUMMY_CODE_HI, _DUMMY_CODE_LO
-    from vllm_kbit.moe import KbitExperts, dense_chunk_size, dense_expert_maps
+    from vllm_kbit.moe import KbitExperts, dense_chunk_size, dense_expert_maps, repack_experts
 
     e, h, i = shape["experts"], shape["hidden"], shape["inter"]
     tensors = []
@@ -51,7 +50,7 @@ def kbit_experts(shape, bits, gen):
         q = torch.randint(-2**31, 2**31, (e, n, k // 32 * bits), dtype=torch.int32, device="cuda", generator=gen)
         a = torch.randint(_DUMMY_CODE_LO, _DUMMY_CODE_HI + 1, (e, n, k // 32), dtype=torch.uint8, device="cuda",
                           generator=gen)
-        tensors += list(ops.repack_experts(q, a, bits))
+        tensors += list(repack_experts(q, a, bits))
         del q, a
     chunk = dense_chunk_size(h, 2 * i, i)
     return KbitExperts(*tensors, codebook=kf.normal_float_codebook(bits).cuda(), bits=bits, hidden=h, inter=i,
@@ -60,9 +59,9 @@ def kbit_experts(shape, bits, gen):
 
 
 def dequantized(ex):
-    from vllm_kbit import ops
-    return (ops.dequantize_experts(ex.w13, ex.w13_absmax, ex.codebook, ex.bits, ex.n13, ex.hidden, torch.bfloat16),
-            ops.dequantize_experts(ex.w2, ex.w2_absmax, ex.codebook, ex.bits, ex.hidden, ex.inter, torch.bfloat16))
+    deq = torch.ops.kbit.dequantize_experts
+    return (deq(ex.w13, ex.w13_absmax, ex.codebook, ex.bits, ex.n13, ex.hidden, torch.bfloat16),
+            deq(ex.w2, ex.w2_absmax, ex.codebook, ex.bits, ex.hidden, ex.inter, torch.bfloat16))
 
 
 def int4_method(shape, gen):

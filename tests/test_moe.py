@@ -32,7 +32,7 @@ from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinea
 
 from vllm_kbit.config import KbitConfig  # noqa: E402
 from vllm_kbit.moe import (KbitExperts, KbitMoEMethod, align_block_size, align_block_size_torch,  # noqa: E402
-                           dense_expert_maps, experts_forward)
+                           dense_expert_maps, experts_forward, repack_experts)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
@@ -115,12 +115,12 @@ def test_moe_gemm_equals_float64_pair_loop(case, bits, dtype):
         local = torch.where(local == 2, -1, local)
         expert_ids = torch.where(expert_ids == 2, -1, expert_ids)
     assert (sorted_ids == m * top_k).any(), "the layout must contain padding ids"
-    packed, absmax = ops.repack_experts(q.to(DEVICE), a.to(DEVICE), bits)
+    packed, absmax = repack_experts(q.to(DEVICE), a.to(DEVICE), bits)
     x = torch.randn(m, k, generator=gen).to(dtype)
     cb = kf.normal_float_codebook(bits).to(DEVICE)
     dev = {t: t.to(DEVICE) for t in (sorted_ids, expert_ids, num_post)}
     for tw in (None, weights):
-        y = ops.moe_gemm(x.to(DEVICE), packed, absmax, cb, bits, n, k, dev[sorted_ids], dev[expert_ids],
+        y = torch.ops.kbit.moe_gemm(x.to(DEVICE), packed, absmax, cb, bits, n, k, dev[sorted_ids], dev[expert_ids],
                          dev[num_post], block_m, top_k, None if tw is None else tw.to(DEVICE))
         ref = _pair_reference(x, w, local, top_k, tw)
         assert y.dtype == dtype and y.shape == (m * top_k, n)
@@ -136,9 +136,9 @@ def test_moe_gemm_skips_blocks_past_num_tokens_post_padded():
     sorted_ids, expert_ids, num_post = align_block_size_torch(ids, 4, 3)
     last = int(num_post) - 4  # the last used block's start: only its pairs go missing
     cut = torch.tensor([last], dtype=torch.int32)
-    packed, absmax = ops.repack_experts(q.to(DEVICE), a.to(DEVICE), 4)
+    packed, absmax = repack_experts(q.to(DEVICE), a.to(DEVICE), 4)
     x = torch.randn(6, 64, generator=gen).to(torch.bfloat16)
-    y = ops.moe_gemm(x.to(DEVICE), packed, absmax, kf.normal_float_codebook(4).to(DEVICE), 4, 64, 64,
+    y = torch.ops.kbit.moe_gemm(x.to(DEVICE), packed, absmax, kf.normal_float_codebook(4).to(DEVICE), 4, 64, 64,
                      sorted_ids.to(DEVICE), expert_ids.to(DEVICE), cut.to(DEVICE), 4, 1).cpu()
     gone = sorted_ids[last:last + 4]
     gone = gone[gone < 6].long()
@@ -154,22 +154,22 @@ def test_moe_gemm_skips_blocks_past_num_tokens_post_padded():
 def test_dequantize_experts(bits, dtype):
     gen = torch.Generator().manual_seed(100 + bits)
     q, a, w = random_experts(5, 96, 64, bits, gen)
-    packed, absmax = ops.repack_experts(q.to(DEVICE), a.to(DEVICE), bits)
+    packed, absmax = repack_experts(q.to(DEVICE), a.to(DEVICE), bits)
     cb = kf.normal_float_codebook(bits).to(DEVICE)
-    out = ops.dequantize_experts(packed, absmax, cb, bits, 96, 64, dtype)
+    out = torch.ops.kbit.dequantize_experts(packed, absmax, cb, bits, 96, 64, dtype)
     assert out.shape == (5, 96, 64) and out.dtype == dtype
     # the codebook value times the scale in float32, rounded to dtype: exactly format.dequantize
     want = torch.stack([kf.dequantize(q[e], a[e], bits, dtype=dtype) for e in range(5)])
     assert torch.equal(out.cpu(), want)
     assert (out.cpu().double() - w).abs().max() <= w.abs().max() * 2.0 ** -7
-    part = ops.dequantize_experts(packed[1:4], absmax[1:4], cb, bits, 96, 64, dtype)  # a chunk of experts
+    part = torch.ops.kbit.dequantize_experts(packed[1:4], absmax[1:4], cb, bits, 96, 64, dtype)  # a chunk of experts
     assert torch.equal(part.cpu(), want[1:4])
 
 
 def test_op_fake_impls_and_reference_errors():
     gen = torch.Generator().manual_seed(2)
     q, a, _ = random_experts(3, 64, 64, 3, gen)
-    packed, absmax = ops.repack_experts(q.to(DEVICE), a.to(DEVICE), 3)
+    packed, absmax = repack_experts(q.to(DEVICE), a.to(DEVICE), 3)
     cb = kf.normal_float_codebook(3).to(DEVICE)
     _, ids = routing(5, 3, 2, gen)
     s, e, p = (t.to(DEVICE) for t in align_block_size_torch(ids, 16, 3))
@@ -181,7 +181,7 @@ def test_op_fake_impls_and_reference_errors():
                           test_utils=("test_schema", "test_faketensor"))
     if not ops.HAS_CUDA_KERNELS:
         with pytest.raises(ValueError, match=r"moe_gemm: packed is .*expects int32 \[E, 96, 6\]"):
-            ops.moe_gemm(x, packed, absmax, cb, 3, 96, 64, s, e, p, 16, 2)
+            torch.ops.kbit.moe_gemm(x, packed, absmax, cb, 3, 96, 64, s, e, p, 16, 2)
 
 
 def test_align_block_size_layout():
@@ -227,8 +227,8 @@ def make_experts(num, hidden, inter, bits, gen, activation=MoEActivation.SILU, e
     gated = activation.is_gated
     q13, a13, w13 = random_experts(num, (2 if gated else 1) * inter, hidden, bits, gen)
     q2, a2, w2 = random_experts(num, hidden, inter, bits, gen)
-    p13, b13 = ops.repack_experts(q13.to(DEVICE), a13.to(DEVICE), bits)
-    p2, b2 = ops.repack_experts(q2.to(DEVICE), a2.to(DEVICE), bits)
+    p13, b13 = repack_experts(q13.to(DEVICE), a13.to(DEVICE), bits)
+    p2, b2 = repack_experts(q2.to(DEVICE), a2.to(DEVICE), bits)
     global_e = num if expert_map is None else expert_map.numel()
     ex = KbitExperts(p13, b13, p2, b2, kf.normal_float_codebook(bits).to(DEVICE), bits, hidden, inter, gated,
                      activation, global_e, None if expert_map is None else expert_map.to(DEVICE))

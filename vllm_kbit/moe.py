@@ -7,7 +7,7 @@ N13 = 2I for gated activations, else I), checkpoint layout as a linear layer's:
   w2_qweight  int32 [E, H, I/32*bits]     w2_absmax  uint8 [E, H, I/32]
 loaded from the per-expert checkpoint tensors `...experts.{e}.{gate,up,down}_proj.{qweight,absmax}`
 (Mixtral: w1 / w3 / w2) through vLLM's own expert loader, which shards w13 by rows and w2 along
-I (whole 32-blocks per rank, checked). After loading, each expert is repacked (ops.repack_experts)
+I (whole 32-blocks per rank, checked). After loading, each expert is repacked (repack_experts)
 into the stacked layout of kbit::moe_gemm.
 
 Forward (`experts_forward`), vLLM's fused_moe recipe with kbit GEMMs:
@@ -83,6 +83,26 @@ class KbitExperts:
     @property
     def n13(self) -> int:
         return 2 * self.inter if self.gated else self.inter
+
+
+def repack_experts(qweight: torch.Tensor, absmax: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts of one layer in the checkpoint layout, stacked (qweight int32 [E, n, k/32*bits],
+    absmax uint8 [E, n, k/32]) -> the stacked layout kbit::moe_gemm / dequantize_experts read:
+    each expert through kbit::repack, row e = expert e's output, flattened to [E, P] / [E, U]
+    where the CUDA kernels serve (on the reference path repack is the identity and the stack
+    stays 3-D). One expert at a time: the scratch is one expert's repack output."""
+    num = qweight.shape[0]
+    flat = ops.HAS_CUDA_KERNELS and qweight.is_cuda
+    packed = absmax_packed = None
+    for e in range(num):
+        p, a = ops.repack(qweight[e], absmax[e], bits)
+        if packed is None:
+            shape_p, shape_a = ((p.numel(),), (a.numel(),)) if flat else (p.shape, a.shape)
+            packed = torch.empty((num, *shape_p), dtype=p.dtype, device=p.device)
+            absmax_packed = torch.empty((num, *shape_a), dtype=a.dtype, device=a.device)
+        packed[e] = p.reshape(packed.shape[1:])
+        absmax_packed[e] = a.reshape(absmax_packed.shape[1:])
+    return packed, absmax_packed
 
 
 # ----------------------------------------------------------------------------- vLLM pieces, CPU stand-ins
@@ -203,12 +223,12 @@ def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor
     if apply_router_weight_on_input:
         x = (x.float() * topk_weights.float().reshape(-1, 1)).to(x.dtype)
     x, topk_weights = x.contiguous(), topk_weights.contiguous()
-    h = ops.moe_gemm(x, ex.w13, ex.w13_absmax, ex.codebook, ex.bits, ex.n13, ex.hidden,
-                     sorted_ids, expert_ids, num_post, BLOCK_M, top_k)
+    h = torch.ops.kbit.moe_gemm(x, ex.w13, ex.w13_absmax, ex.codebook, ex.bits, ex.n13, ex.hidden,
+                                sorted_ids, expert_ids, num_post, BLOCK_M, top_k)
     a = moe_activation(ex.activation, h)
-    y = ops.moe_gemm(a, ex.w2, ex.w2_absmax, ex.codebook, ex.bits, ex.hidden, ex.inter,
-                     sorted_ids, expert_ids, num_post, BLOCK_M, 1,
-                     None if apply_router_weight_on_input else topk_weights)
+    y = torch.ops.kbit.moe_gemm(a, ex.w2, ex.w2_absmax, ex.codebook, ex.bits, ex.hidden, ex.inter,
+                                sorted_ids, expert_ids, num_post, BLOCK_M, 1,
+                                None if apply_router_weight_on_input else topk_weights)
     return moe_sum(y.view(m, top_k, ex.hidden))
 
 
@@ -222,10 +242,10 @@ def _forward_dense(ex, x, topk_weights, topk_ids, apply_router_weight_on_input):
     out = None
     for c, chunk_map in enumerate(maps):
         e0, e1 = c * chunk, min(ex.num_experts, (c + 1) * chunk)
-        w13 = ops.dequantize_experts(ex.w13[e0:e1], ex.w13_absmax[e0:e1], ex.codebook, ex.bits,
-                                     ex.n13, ex.hidden, x.dtype)
-        w2 = ops.dequantize_experts(ex.w2[e0:e1], ex.w2_absmax[e0:e1], ex.codebook, ex.bits,
-                                    ex.hidden, ex.inter, x.dtype)
+        w13 = torch.ops.kbit.dequantize_experts(ex.w13[e0:e1], ex.w13_absmax[e0:e1], ex.codebook, ex.bits,
+                                                ex.n13, ex.hidden, x.dtype)
+        w2 = torch.ops.kbit.dequantize_experts(ex.w2[e0:e1], ex.w2_absmax[e0:e1], ex.codebook, ex.bits,
+                                               ex.hidden, ex.inter, x.dtype)
         if x.is_cuda:
             from vllm.model_executor.layers.fused_moe import fused_experts
             y = fused_experts(x, w13, w2, topk_weights, topk_ids, activation=ex.activation,
@@ -360,7 +380,7 @@ class KbitMoEMethod(FusedMoEMethodBase):
             tensors = {w: (getattr(layer, f"{w}_qweight").data, getattr(layer, f"{w}_absmax").data)
                        for w in ("w13", "w2")}
         for w, (q, a) in tensors.items():
-            packed, absmax = ops.repack_experts(q, a, bits)
+            packed, absmax = repack_experts(q, a, bits)
             for name, t in ((f"{w}_qweight", packed), (f"{w}_absmax", absmax)):
                 param = torch.nn.Parameter(t, requires_grad=False)
                 if hasattr(layer, name):

@@ -13,9 +13,9 @@ as opaque and hand it back to `gemm` unchanged.
   kbit::moe_gemm(x, packed[E], absmax[E], codebook, bits, n, k, sorted_token_ids, expert_ids,
                  num_tokens_post_padded, block_m, top_k, topk_weights?) -> y[T*top_k, n]
   kbit::dequantize_experts(packed[E], absmax[E], codebook, bits, n, k, dtype) -> W[E, n, k]
-The two MoE ops follow the contract of the MoE layer (vllm_kbit/moe.py): experts repacked one
-by one and stacked (`repack_experts`), pairs (token, expert) grouped in blocks of block_m as
-vLLM's moe_align_block_size lays them out.
+The two MoE ops serve vLLM's MoE layer (vllm_kbit/moe.py): experts repacked one by one and
+stacked (moe.repack_experts), pairs (token, expert) grouped in blocks of block_m as vLLM's
+moe_align_block_size lays them out.
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def _moe_gemm_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, exp
     ids = torch.nn.functional.pad(ids, (0, nblocks * block_m - ids.shape[0]), value=num_pairs)[:nblocks * block_m]
     start = torch.arange(nblocks, device=x.device).repeat_interleave(block_m) * block_m
     expert = expert_ids.long().repeat_interleave(block_m)
-    valid = (ids < num_pairs) & (start < num_tokens_post_padded.long()) & (expert >= 0)
+    valid = (ids >= 0) & (ids < num_pairs) & (start < num_tokens_post_padded.long()) & (expert >= 0)
     pair_expert = torch.full((num_pairs + 1,), -1, dtype=torch.long, device=x.device)
     pair_expert.index_put_((torch.where(valid, ids, num_pairs),), torch.where(valid, expert, -1))
     pair_expert = pair_expert[:num_pairs]
@@ -188,38 +188,3 @@ def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = No
     q, a = torch.ops.kbit.quantize(weight.contiguous(), cb.to(weight.device), bits)
     return q, a, underflow
 
-
-def repack_experts(qweight: torch.Tensor, absmax: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Experts of one MoE layer, checkpoint layout stacked (qweight int32 [E, n, k/32*bits], absmax
-    uint8 [E, n, k/32]) -> the stacked layout moe_gemm / dequantize_experts read: each expert
-    repacked by `repack`, row e = expert e's output, flattened to [E, P] / [E, U] where the CUDA
-    kernels serve (on the reference path repack is the identity and the stack stays 3-D).
-    One expert at a time: the scratch is one expert's repack output."""
-    num = qweight.shape[0]
-    flat = HAS_CUDA_KERNELS and qweight.is_cuda
-    packed = absmax_packed = None
-    for e in range(num):
-        p, a = repack(qweight[e], absmax[e], bits)
-        if packed is None:
-            shape_p, shape_a = ((p.numel(),), (a.numel(),)) if flat else (p.shape, a.shape)
-            packed = torch.empty((num, *shape_p), dtype=p.dtype, device=p.device)
-            absmax_packed = torch.empty((num, *shape_a), dtype=a.dtype, device=a.device)
-        packed[e] = p.reshape(packed.shape[1:])
-        absmax_packed[e] = a.reshape(absmax_packed.shape[1:])
-    return packed, absmax_packed
-
-
-def moe_gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, bits: int,
-             n: int, k: int, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
-             num_tokens_post_padded: torch.Tensor, block_m: int, top_k: int,
-             topk_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """y[T*top_k, n]: row p = x[p // top_k] @ W_e^T (times topk_weights.view(-1)[p]) for the
-    expert e of the block that holds pair p; 0 for pairs no block covers."""
-    return torch.ops.kbit.moe_gemm(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
-                                   num_tokens_post_padded, block_m, top_k, topk_weights)
-
-
-def dequantize_experts(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, bits: int,
-                       n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """W[E, n, k] in `dtype` of the stacked experts (a slice packed[e0:e1] gives those experts)."""
-    return torch.ops.kbit.dequantize_experts(packed, absmax, codebook, bits, n, k, dtype)
