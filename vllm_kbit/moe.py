@@ -1,5 +1,5 @@
 """KbitMoEMethod: kbit experts for vLLM's MoE layer (RoutedExperts), and `experts_forward`,
-the routed-experts computation that the layer and benchmarks/bench_moe.py share.
+the routed-experts computation that the layer and benchmarks/bench_moe_layer.py share.
 
 Parameters (per rank; E = local experts, H = hidden, I = expert intermediate per TP rank,
 N13 = 2I for gated activations, else I), checkpoint layout as a linear layer's:
@@ -39,7 +39,7 @@ from vllm_kbit.linear import _DUMMY_CODE_HI, _DUMMY_CODE_LO
 # Rows of sorted (token, expert) pairs per block of kbit::moe_gemm.
 BLOCK_M = 16
 # Above this many (token, expert) pairs a layer dequantizes its experts and runs vLLM's bf16 /
-# fp16 Triton MoE instead of kbit::moe_gemm: measured on the GPU (benchmarks/bench_moe.py,
+# fp16 Triton MoE instead of kbit::moe_gemm: measured on the GPU (benchmarks/bench_moe_layer.py,
 # docs/PERFORMANCE.md).
 DENSE_MIN_PAIRS = 1024
 # Bytes of dequantized experts (w13 + w2) the large-batch path holds at once.

@@ -5,14 +5,15 @@ fused_experts) against vLLM's bf16 fused_experts and its int4 moe_wna16 path (gr
 through fused_experts with int4_w4a16_moe_quant_config). Routing: fused_topk on random router
 logits, made once outside the graph, the same for every method.
 
-  python3 benchmarks/bench_moe.py [--shapes qwen3-30b-a3b,mixtral-8x7b] [--ms 1,4,16,64,256,1024,4096]
-                                  [--bits 2,3,4,5] [--paths gemm,dense] [--no-baselines] [--out DIR]
-  python3 benchmarks/bench_moe.py --check    # kbit against bf16 fused_experts of its dequantized
-                                             # experts; exits 1 on a mismatch
+  python3 benchmarks/bench_moe_layer.py [--shapes qwen3-30b-a3b,mixtral-8x7b]
+      [--ms 1,4,16,64,256,1024,4096] [--bits 2,3,4,5] [--paths gemm,dense] [--no-baselines] [--out DIR]
+  python3 benchmarks/bench_moe_layer.py --check    # kbit against bf16 fused_experts of its
+                                                   # dequantized experts; exits 1 on a mismatch
 
-Times: median µs of --reps replays (CUDA events). Results: benchmarks/results/bench_moe_<gpu>.json
-(+ .png), with the GPU, date, commit and command. vllm_kbit.moe.DENSE_MIN_PAIRS, the switch
-between the two kbit paths, is read off these tables.
+Times: median µs of --reps replays (CUDA events). Results:
+benchmarks/results/bench_moe_layer_<gpu>.json (+ .png), with the GPU, date, commit and command.
+vllm_kbit.moe.DENSE_MIN_PAIRS, the switch between the two kbit paths, is read off these tables.
+(benchmarks/bench_moe.py times the kbit MoE ops alone.)
 """
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="compare kbit with bf16 of its dequantized experts")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", type=Path, default=HERE / "results")
-    ap.add_argument("--tag", help="stem of the result files (default bench_moe_<gpu>)")
+    ap.add_argument("--tag", help="stem of the result files (default bench_moe_layer_<gpu>)")
     args = ap.parse_args()
     from bench_gemm import git_commit
     from vllm.model_executor.layers.fused_moe import fused_experts
@@ -184,7 +185,7 @@ def main() -> int:
              "units": "us per call of the layer's routed experts (CUDA graph replay, median)"
              if not args.check else "relative error against bf16 fused_experts of the dequantized experts"}
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = args.tag or "bench_moe_" + re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_") + ("_check" if args.check else "")
+    tag = args.tag or "bench_moe_layer_" + re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_") + ("_check" if args.check else "")
     (args.out / f"{tag}.json").write_text(json.dumps({**stamp, "results": rows}, indent=2) + "\n")
     print(f"wrote {args.out / (tag + '.json')}")
     if not args.check:
