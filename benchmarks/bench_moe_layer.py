@@ -185,7 +185,11 @@ def main() -> int:
              "units": "us per call of the layer's routed experts (CUDA graph replay, median)"
              if not args.check else "relative error against bf16 fused_experts of the dequantized experts"}
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = args.tag or "bench_moe_layer_" + re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_") + ("_check" if args.check else "")
+    # one file per GPU; a run of some shapes or the check gets its own
+    parts = [re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")]
+    parts += [] if args.shapes == ",".join(SHAPES) else [re.sub(r"[^a-z0-9]+", "_", args.shapes)]
+    parts += ["check"] if args.check else []
+    tag = args.tag or "_".join(["bench_moe_layer", *parts])
     (args.out / f"{tag}.json").write_text(json.dumps({**stamp, "results": rows}, indent=2) + "\n")
     print(f"wrote {args.out / (tag + '.json')}")
     if not args.check:
