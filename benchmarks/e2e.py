@@ -1,5 +1,6 @@
-"""End-to-end vLLM speed on a Llama-3-8B-shaped model: bf16, GPTQ 4-bit (vLLM picks Marlin or
-Machete), and kbit K = 2..5, each in its own engine process, same method for all:
+"""End-to-end vLLM speed on a Llama-3-8B-shaped model (--shape: 70b, or the MoE shapes
+qwen3-30b-a3b and mixtral-8x7b): bf16, GPTQ 4-bit (vLLM picks Marlin or Machete; Llama shapes
+only), and kbit K = 2..5, each in its own engine process, same method for all:
 
   latency     one batch of bs = 1 and bs = 16, 128 prompt tokens -> 256 generated (ignore_eos),
               as `vllm bench latency` does (random token ids, median of --iters after a warm-up);
@@ -11,6 +12,7 @@ Machete), and kbit K = 2..5, each in its own engine process, same method for all
     python3 benchmarks/e2e.py --configs kbit4,kbit4+KBIT_PDL=1   # A/B: a config + its engine's environment
     python3 benchmarks/e2e.py --configs A,B,A,B                   # alternated: rows A, B, A#2, B#2
     python3 benchmarks/e2e.py --configs kbit4,kbit4_lmhead       # lm_head kbit too ("lm_head": true)
+    python3 benchmarks/e2e.py --shape qwen3-30b-a3b --configs bf16,kbit4,kbit2   # MoE: kbit experts
 
 Weights: bf16 and kbit use --load-format dummy (kbit fills random *valid* kbit weights); GPTQ
 gets a real checkpoint with valid packed 4-bit weights (round-to-nearest, group 128, written
@@ -40,6 +42,18 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_h
                  vocab_size=128256)
 LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
                   vocab_size=128256)
+# MoE shapes (--shape): the transformers config class and its own keys; run them with
+# --configs bf16,kbit4,kbit2 (gptq4 writes Llama checkpoints)
+MOE_SHAPES = {
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                             num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                             num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                             head_dim=128, vocab_size=151936, rope_theta=1000000.0)),
+    "mixtral-8x7b": ("MixtralConfig", dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+                                           num_experts_per_tok=2, num_hidden_layers=32, num_attention_heads=32,
+                                           num_key_value_heads=8, vocab_size=32000, rope_theta=1000000.0)),
+}
+SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B, **MOE_SHAPES}
 
 # vLLM's log lines about GPU memory and the KV cache, kept with each result
 MEMORY_LOG = ("KV cache", "Available KV cache memory", "Model loading took", "memory profiling",
@@ -148,6 +162,12 @@ def write_model_dir(dst: Path, shape: dict) -> Path:
         if f.name.startswith("tokenizer") or f.name == "generation_config.json":
             (dst / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((tiny / "config.json").read_text())
+    if isinstance(shape, tuple):  # an MoE shape: (config class, its keys)
+        import transformers
+        getattr(transformers, shape[0])(**shape[1], max_position_embeddings=4096, bos_token_id=cfg["bos_token_id"],
+                                        eos_token_id=cfg["eos_token_id"], dtype="bfloat16",
+                                        architectures=[shape[0].replace("Config", "ForCausalLM")]).save_pretrained(dst)
+        return dst
     LlamaConfig(hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
                 num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_heads"],
                 num_key_value_heads=shape["num_kv_heads"], vocab_size=shape["vocab_size"],
@@ -294,7 +314,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/kbit-e2e"))
     ap.add_argument("--configs", default="bf16,gptq4,kbit2,kbit3,kbit4,kbit5")
-    ap.add_argument("--shape", choices=["8b", "70b"], default="8b")
+    ap.add_argument("--shape", choices=list(SHAPES), default="8b")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--iters", type=int, default=3, help="latency runs per batch size (0: no latency)")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="0: vLLM's default")
@@ -311,7 +331,8 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    base = write_model_dir(args.workdir / f"llama-{args.shape}", LLAMA3_8B if args.shape == "8b" else LLAMA3_70B)
+    base = write_model_dir(args.workdir / (args.shape if args.shape in MOE_SHAPES else f"llama-{args.shape}"),
+                           SHAPES[args.shape])
     results = {}
     for name in args.configs.split(","):
         base_name, *assignments = name.split("+")  # e.g. kbit4+KBIT_PDL=1: environment of that engine
@@ -395,7 +416,7 @@ def report(args, results, final: bool = True) -> None:
             a.bar(list(ok), [v.get(key, 0) for v in ok.values()])
             a.set_title(title)
             a.tick_params(axis="x", rotation=45)
-        fig.suptitle(f"vLLM e2e, Llama-3-{args.shape.upper()} shape, {stamp['gpu']}")
+        fig.suptitle(f"vLLM e2e, {args.shape} shape, {stamp['gpu']}")
         fig.tight_layout()
         fig.savefig(args.out / f"{tag}.png", dpi=80)
     except ImportError:

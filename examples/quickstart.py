@@ -3,7 +3,8 @@
     python3 examples/quickstart.py [--bits 4] [--workdir out/quickstart] [--arch qwen2]
 
 --arch picks another architecture of vllm_kbit.synthetic.ARCHITECTURES (Mistral, Qwen2, Qwen3,
-Gemma 2, Phi-3, Mixtral, Qwen2-MoE; MoE models need vLLM's MoE op library to generate).
+Gemma 2, Phi-3, and the MoE models Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, whose experts are
+kbit too; MoE models need vLLM's MoE op library to generate).
 
 Nothing is downloaded: the model is random (so its text is gibberish) and its tokenizer is
 trained on the spot. Without a CUDA GPU it stops after the conversion and check.

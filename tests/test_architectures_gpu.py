@@ -1,14 +1,14 @@
 """vLLM end to end on architectures other than Llama (vllm_kbit.synthetic.ARCHITECTURES): each
 reaches our linear layers in its own way (q/k/v biases, q/k norms, projections fused in the
-checkpoint, GeGLU and soft-capping with tied embeddings, MoE experts left unquantized beside kbit
-attention and a kbit shared expert). For each, a random model converted to kbit K=4 runs in
+checkpoint, GeGLU and soft-capping with tied embeddings, MoE models with kbit experts beside
+float routers, a kbit shared expert, MLA attention). For each, a random model converted to kbit K=4 runs in
 vllm.LLM against the same model with the dequantized weights in bf16, teacher-forced over the
 prompts (e2e_common.compare), as tests/test_e2e_gpu.py does for Llama (which it covers with
 CUDA graphs, TP=2 and a kbit lm_head; here every engine is eager, to keep the file short).
 Tensor parallel (two GPUs) must match one GPU for the biased and fused-checkpoint models.
 Online quantization (`--quantization kbit` on the float checkpoint) must give what the
 converted checkpoint gives, for the fused-checkpoint and MoE models. MoE models need vLLM's MoE op
-library, which the GPU machine's vLLM bundle leaves out: skipped there."""
+library (vllm._moe_C_stable_libtorch): skipped where this vLLM has none."""
 import importlib.util
 
 import pytest
@@ -18,20 +18,20 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("vllm")
 
 from vllm_kbit.convert import convert  # noqa: E402
-from vllm_kbit.synthetic import ARCHITECTURES, make_random_model  # noqa: E402
+from vllm_kbit.synthetic import ARCHITECTURES, MOE_ARCHITECTURES, make_random_model  # noqa: E402
 
 from e2e_common import compare, dequantized_copy, logprob_scale, run  # noqa: E402
 
 ARCHS = sorted(a for a in ARCHITECTURES if a != "llama")
-MOE = ("mixtral", "qwen2_moe")
+MOE = MOE_ARCHITECTURES
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def model(request, tmp_path_factory):
     arch = request.param
     if arch in MOE and importlib.util.find_spec("vllm._moe_C_stable_libtorch") is None:
-        pytest.skip("this vLLM has no MoE op library (vllm._moe_C_stable_libtorch; the GPU machine's bundle "
-                    "leaves it out), so no MoE model runs; test_convert covers the conversion")
+        pytest.skip("this vLLM has no MoE op library (vllm._moe_C_stable_libtorch), so no MoE model runs; "
+                    "test_convert covers the conversion")
     root = tmp_path_factory.mktemp(arch)
     # init_std 0.08 as in test_e2e_gpu: peaked enough next-token distributions for top-1
     src = make_random_model(root / "src", arch=arch, hidden_size=512, intermediate_size=1024, num_layers=2,

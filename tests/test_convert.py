@@ -17,11 +17,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vllm_kbit import format as kf
-from vllm_kbit.convert import DEFAULT_IGNORE, INDEX_NAME, ConversionError, convert, main, parse_size
+from vllm_kbit.convert import DEFAULT_IGNORE, INDEX_NAME, ROUTER_PATTERN, ConversionError, convert, main, parse_size
 from vllm_kbit.format import KbitFormatError
-from vllm_kbit.synthetic import ARCHITECTURES, make_random_llama, make_random_model
+from vllm_kbit.synthetic import ARCHITECTURES, MOE_ARCHITECTURES, make_random_llama, make_random_model
 
 from e2e_common import dequantized_copy
+
+ROUTER_RE = re.compile(ROUTER_PATTERN[len("re:"):])
 
 SEED = int(os.environ.get("KBIT_TEST_SEED", random.SystemRandom().randrange(2**31)))
 LAYERS = 2
@@ -315,15 +317,16 @@ def test_underflow_blocks_are_reported(src_copy, tmp_path):
     assert f"underflow {name}: 1 block(s) stored as zeros" in report.summary()
 
 
-def test_moe_experts_and_routers_are_ignored_by_default():
-    from vllm_kbit.convert import ConversionReport, _select
-    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.experts.3.w1", "model.layers.0.mlp.experts",
+def test_moe_routers_are_ignored_by_default_and_experts_are_not():
+    from vllm_kbit.convert import ConversionReport, _select, _select_experts
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.experts.3.w1", "model.layers.0.mlp.experts.3.w2",
              "model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate", "model.layers.0.mlp.router",
-             "lm_head"]
+             "model.layers.0.mlp.shared_experts.gate_proj", "lm_head"]
     shapes = {f"{n}.weight": [64, 64] for n in names}
     report = ConversionReport(src="s", dst="d", bits=4)
-    assert _select(dict.fromkeys(names), shapes, [], report) == {"model.layers.0.self_attn.q_proj.weight"}
-    assert all("ignored" in report.skipped[f"{n}.weight"] for n in names[1:])
+    selected = _select(dict.fromkeys(names), shapes, [], report) | _select_experts(dict.fromkeys(names), shapes, report)
+    assert selected == {f"{n}.weight" for n in (names[0], names[1], names[2], names[6])}
+    assert all("ignored" in report.skipped[f"{n}.weight"] for n in names[3:6] + names[7:])
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -339,8 +342,13 @@ def test_every_architecture_converts_and_its_dequantization_computes_like_the_so
                             num_heads=4, num_kv_heads=2, vocab_size=320, seed=SEED, init_std=0.05)
     report = convert(src, tmp_path / "kbit", 4, progress=False)
     src_t, out_t = load_file(src / "model.safetensors"), load_checkpoint(tmp_path / "kbit")
-    expected = {n for n in src_t if n.endswith("_proj.weight") and ".experts." not in n}
+    # every linear weight but the routers, lm_head and the embeddings; MoE experts included
+    expected = {n for n, t in src_t.items() if n.endswith(".weight") and t.dim() == 2 and "norm" not in n
+                and "embed" not in n and n != "lm_head.weight" and not ROUTER_RE.fullmatch(n[:-len(".weight")])}
     assert len(expected) >= 8 and set(report.quantized) == expected, sorted(src_t)
+    if arch in MOE_ARCHITECTURES:
+        assert sum(".experts." in n for n in expected) >= 4 * 3, "every expert weight is quantized"
+        assert all(ROUTER_RE.fullmatch(n[:-len(".weight")]) for n in report.skipped if n != "lm_head.weight")
     for name in src_t:  # nothing lost: a transformers load would fill a missing bias with zeros
         if name in expected:
             assert_quantized(src_t, out_t, name[: -len(".weight")], 4)
@@ -350,9 +358,6 @@ def test_every_architecture_converts_and_its_dequantization_computes_like_the_so
     # what is not quantized is named by a pattern of the config's ignore list, never one by one
     # (MoE experts: per-expert tensors in the file, one 3-D parameter in transformers 5)
     assert not report.unmapped_2d and set(quant_config(tmp_path / "kbit")["ignore"]) <= set(DEFAULT_IGNORE)
-    if arch in ("mixtral", "qwen2_moe"):  # 2 layers x 4 experts x 3 weights in one summary line
-        assert re.search(r"unquantized 24 weights \(model\.layers\.0\..*experts\.0\.\w+\.weight, \.\.\.\): ignored",
-                         report.summary()), report.summary()
     deq = dequantized_copy(tmp_path / "kbit", tmp_path / "deq")
     ids = torch.randint(3, 259, (2, 24), generator=torch.Generator().manual_seed(SEED))
     logits = []
@@ -510,3 +515,53 @@ def test_cuda_device_without_cuda_is_refused(llama, tmp_path, monkeypatch):
     with pytest.raises(ConversionError, match="device cuda requested but CUDA is not available"):
         convert(llama, tmp_path / "out", 4, device="cuda", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def _tiny_moe(dst: Path, arch: str = "qwen2_moe") -> Path:
+    return make_random_model(dst, arch=arch, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                             num_kv_heads=2, vocab_size=320, seed=SEED)
+
+
+@pytest.mark.parametrize("pattern", [r"re:.*\.experts(\..*)?$", r"re:.*\.experts\.\d+\..*"])
+def test_ignored_moe_experts_stay_float(tmp_path, pattern):
+    """--ignore keeps every expert of a layer float (the shared expert stays kbit); the config's
+    ignore list then names the fused layer vLLM matches, by the pattern or by exact name."""
+    src = _tiny_moe(tmp_path / "src")
+    report = convert(src, tmp_path / "kbit", 4, ignore=[pattern], progress=False)
+    src_t, out_t = load_file(src / "model.safetensors"), load_checkpoint(tmp_path / "kbit")
+    experts = [n for n in src_t if ".experts." in n]
+    assert len(experts) == 2 * 4 * 3
+    for name in experts:
+        assert_kept(src_t, out_t, name[:-len(".weight")])
+    assert_quantized(src_t, out_t, "model.layers.1.mlp.shared_expert.down_proj", 4)
+    assert_kept(src_t, out_t, "model.layers.0.mlp.shared_expert_gate")
+    ignore = quant_config(tmp_path / "kbit")["ignore"]
+    assert pattern in ignore
+    if "\\d" in pattern:  # a per-expert pattern does not name the fused layer: the layers are listed
+        assert {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"} <= set(ignore)
+    assert re.search(r"unquantized 24 weights .*ignored", report.summary()), report.summary()
+
+
+def test_partly_ignored_moe_experts_are_refused(tmp_path):
+    src = _tiny_moe(tmp_path / "src", "mixtral")
+    with pytest.raises(ConversionError, match=r"block_sparse_moe\.experts: 4 of its 12 expert weights .* one scheme"):
+        convert(src, tmp_path / "kbit", 4, ignore=[r"re:.*\.experts\.\d+\.w2$"], progress=False)
+    assert not (tmp_path / "kbit").exists()
+
+
+def test_fused_3d_experts_are_refused_unless_ignored(tmp_path):
+    """gpt-oss style: all experts of a layer in one 3-D tensor, which vLLM copies into its own
+    float layout: convert refuses to quantize them, and copies them when they are ignored."""
+    src = _tiny_llama(tmp_path / "src", SEED)
+    index = json.loads((src / INDEX_NAME).read_text())
+    shard = src / sorted(set(index["weight_map"].values()))[0]
+    tensors = load_file(shard)
+    fused = "model.layers.0.mlp.experts.gate_up_proj"
+    tensors[fused] = torch.randn(4, 64, 256, generator=torch.Generator().manual_seed(SEED)).to(torch.bfloat16)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index["weight_map"][fused] = shard.name
+    (src / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(ConversionError, match=rf"{re.escape(fused)} holds all experts .* --ignore"):
+        convert(src, tmp_path / "kbit", 4, progress=False)
+    convert(src, tmp_path / "kbit", 4, ignore=[r"re:.*\.experts(\..*)?$"], progress=False)
+    assert same_bytes(load_checkpoint(tmp_path / "kbit")[fused], tensors[fused])

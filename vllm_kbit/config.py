@@ -5,6 +5,7 @@ point, does it in every vLLM process). Importing it must not initialise CUDA.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -16,6 +17,10 @@ from vllm.model_executor.layers.quantization.compressed_tensors.utils import sho
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from vllm_kbit import format as kf
+from vllm_kbit.convert import ROUTER_PATTERN
+
+# MoE routers: always float, whatever the ignore list (as convert leaves them)
+ROUTER_RE = re.compile(ROUTER_PATTERN[len("re:"):])
 
 
 @register_quantization_config("kbit")
@@ -24,6 +29,8 @@ class KbitConfig(QuantizationConfig):
     exact module names or `re:` regexes; a fused vLLM layer such as qkv_proj is skipped when
     all of its checkpoint shards are). `lm_head` (vLLM's key, as for GPTQ and AWQ; default false):
     the output projection is kbit too (`convert --quantize-lm-head`), served by the same op.
+    MoE experts (vLLM's fused RoutedExperts layer) are kbit too (vllm_kbit.moe.KbitMoEMethod),
+    unless ignored; MoE routers always stay float (ROUTER_RE).
 
     Built by `from_config` for a kbit checkpoint. Built with no arguments (`--quantization kbit`
     on a model without a quantization_config) it quantizes the checkpoint's float weights at
@@ -94,12 +101,24 @@ class KbitConfig(QuantizationConfig):
             if should_ignore_layer(prefix, ignore=self.ignore):
                 raise ValueError(f"kbit quantization_config: lm_head is true but ignore matches {prefix}")
             _check_untied(prefix)
+        elif _is_routed_experts(layer):
+            from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+            if should_ignore_layer(prefix, ignore=self.ignore):
+                return UnquantizedFusedMoEMethod(layer.moe_config)
+            from vllm_kbit.moe import KbitMoEMethod
+            return KbitMoEMethod(self, layer.moe_config, prefix)
         elif not isinstance(layer, LinearBase):
-            return None  # embeddings, attention, MoE: unquantized
-        elif should_ignore_layer(prefix, ignore=self.ignore, fused_mapping=self.packed_modules_mapping):
+            return None  # embeddings, attention: unquantized
+        elif ROUTER_RE.fullmatch(prefix) or should_ignore_layer(
+                prefix, ignore=self.ignore, fused_mapping=self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         from vllm_kbit.linear import KbitLinearMethod
         return KbitLinearMethod(self, prefix)
+
+
+def _is_routed_experts(layer: torch.nn.Module) -> bool:
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    return isinstance(layer, RoutedExperts)
 
 
 def _check_untied(prefix: str) -> None:

@@ -6,13 +6,18 @@
 What is quantized: the weight of every `Linear` of the architecture named by SRC/config.json,
 found by building that architecture on the meta device with transformers and matching it with
 compressed-tensors (`"Linear"` target), except
-  * modules matched by the ignore patterns: DEFAULT_IGNORE (lm_head, MoE experts and routers,
-    which vLLM serves unquantized with this plugin) plus the caller's (compressed-tensors
-    semantics: an exact module name, or "re:<regex>" matched from the start of the name);
+  * modules matched by the ignore patterns: DEFAULT_IGNORE (lm_head and MoE routers) plus the
+    caller's (compressed-tensors semantics: an exact module name, or "re:<regex>" matched
+    from the start of the name);
     with quantize_lm_head (`--quantize-lm-head`) lm_head is quantized too, and the config says
     so (`"lm_head": true`, vLLM's key), unless the model ties it to its input embeddings;
   * linears whose in_features is not a multiple of 32: kept, and added by exact module name
     to the config's ignore list.
+MoE experts stored per expert (`...experts.{e}.{proj}.weight`, 2-D: Mixtral, Qwen-MoE, DeepSeek)
+are quantized like any linear, all experts of a layer or none (`--ignore 're:.*\\.experts(\\..*)?$'`
+keeps them float; the layer's name then joins the config's ignore list, which is what vLLM
+matches its fused MoE layer against). Experts fused into 3-D tensors (gpt-oss) are refused unless
+ignored: vLLM loads those straight into its own float layout.
 Each quantized `P.weight` [N, K] becomes `P.qweight` int32 [N, K/32*bits] and `P.absmax` uint8
 [N, K/32] (format.quantize's layout); every other tensor (embeddings, norms, biases, ignored
 linears, checkpoint names that map to no module) is copied byte for byte. If transformers
@@ -54,10 +59,16 @@ import torch
 from vllm_kbit import format as kf
 from vllm_kbit.format import KbitFormatError
 
-# lm_head; MoE experts, whether per-expert linears ("...experts.3.w1") or the fused layer
-# ("...mlp.experts"); MoE routers, which vLLM builds without a quant_config.
+# lm_head; MoE routers (a layer's `gate`, Qwen2-MoE's `shared_expert_gate`, `router`): tiny
+# linears whose rounding would move every token's choice of experts; vllm_kbit.config keeps
+# them float in vLLM too, whatever the ignore list.
 LM_HEAD = "lm_head"
-DEFAULT_IGNORE = (LM_HEAD, r"re:.*\.experts(\..*)?$", r"re:.*\.(gate|router|shared_expert_gate)$")
+ROUTER_PATTERN = r"re:.*\.(gate|router|shared_expert_gate)$"
+DEFAULT_IGNORE = (LM_HEAD, ROUTER_PATTERN)
+# One expert's linear weight, stored per expert: LAYER.experts.E.PROJ.weight.
+_EXPERT_RE = re.compile(r"(?P<layer>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)\.weight")
+# All experts of a layer in one tensor: LAYER.experts.NAME (3-D).
+_FUSED_EXPERTS_RE = re.compile(r"(?P<layer>.*\.experts)\.[^.]+")
 
 INDEX_NAME = "model.safetensors.index.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
@@ -282,6 +293,8 @@ def _select(linears: dict, shapes: dict, user_ignore: list[str], report: Convers
     used, auto_ignore, selected = set(), [], set()
     for mod_name, module in linears.items():
         wname = f"{mod_name}.weight"
+        if _EXPERT_RE.fullmatch(wname):
+            continue  # _select_experts
         shape = shapes[wname]
         pattern = _matching_pattern(mod_name, module, patterns)
         if pattern is not None:
@@ -300,6 +313,49 @@ def _select(linears: dict, shapes: dict, user_ignore: list[str], report: Convers
             _note(f"ignore pattern {p!r} matches no linear layer")
     _check_fused_groups(linears, selected)
     report.ignore = list(dict.fromkeys([*patterns, *auto_ignore]))
+    return selected
+
+
+def _select_experts(linears: dict, shapes: dict, report: ConversionReport) -> set[str]:
+    """Expert weight names to quantize: per MoE layer, all of its per-expert 2-D weights, unless
+    an ignore pattern matches the layer or its experts (then none, and the layer's exact name
+    joins report.ignore if no pattern names it). Refuses a layer whose experts would be split
+    between kbit and float (vLLM runs them as one fused layer) and un-ignored 3-D fused experts."""
+    patterns = list(report.ignore)
+    layers: dict[str, list[str]] = {}
+    for name, shape in shapes.items():
+        m = _EXPERT_RE.fullmatch(name)
+        if m and len(shape) == 2:
+            layers.setdefault(m["layer"], []).append(name)
+        elif len(shape) == 3 and (f := _FUSED_EXPERTS_RE.fullmatch(name)) and \
+                _matching_pattern(f["layer"], None, patterns) is None:
+            raise ConversionError(
+                f"{name} holds all experts of {f['layer']} in one 3-D tensor {shape}; vLLM loads such "
+                f"tensors straight into its own float layout, so kbit experts cannot be served for this "
+                f"architecture: keep them unquantized with --ignore 're:.*\\.experts(\\..*)?$'")
+    selected = set()
+    for layer, names in layers.items():
+        why = {}
+        layer_pattern = _matching_pattern(layer, None, patterns)
+        for name in names:
+            mod = name[:-len(".weight")]
+            pattern = layer_pattern or _matching_pattern(mod, linears.get(mod), patterns)
+            if pattern is not None:
+                why[name] = f"ignored (matches {pattern!r})"
+            elif shapes[name][1] % kf.BLOCK_SIZE:
+                why[name] = f"in_features {shapes[name][1]} is not a multiple of {kf.BLOCK_SIZE}"
+        if why and len(why) < len(names):
+            raise ConversionError(
+                f"{layer}: {len(why)} of its {len(names)} expert weights would stay unquantized "
+                f"({next(iter(why))}: {next(iter(why.values()))}) but the others would not; vLLM runs "
+                f"the experts of a layer as one fused layer, which needs one scheme: ignore all of them or none")
+        if not why:
+            selected.update(names)
+            continue
+        report.skipped.update(why)
+        if layer_pattern is None:
+            _note(f"{layer}: experts left unquantized ({next(iter(why.values()))})")
+            report.ignore.append(layer)  # exact name: vLLM matches its fused MoE layer by it
     return selected
 
 
@@ -596,14 +652,14 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
             shapes[name] = info["shape"]
     linears, report.used_heuristic = _find_linears(src, shapes)
     to_quantize = _select(linears, shapes, user_ignore, report, quantize_lm_head)
+    experts = _select_experts(linears, shapes, report)
+    to_quantize |= experts
     if quantize_lm_head:
         _check_lm_head(src, config, linears, shapes, to_quantize, report)
     for n, s in shapes.items():
         mod = n[:-len(".weight")]
-        if len(s) != 2 or not n.endswith(".weight") or mod in linears or "embed" in n:
+        if len(s) != 2 or not n.endswith(".weight") or mod in linears or "embed" in n or _EXPERT_RE.fullmatch(n):
             continue
-        # MoE experts, which transformers 5 holds as one 3-D parameter per layer but saves per
-        # expert, are no module's weight yet match the ignore list: say so, list them once
         pattern = _matching_pattern(mod, None, report.ignore)
         if pattern is not None:
             report.skipped[n] = f"ignored (matches {pattern!r})"

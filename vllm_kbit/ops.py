@@ -11,9 +11,12 @@ as opaque and hand it back to `gemm` unchanged.
   kbit::repack(qweight, absmax, bits) -> (packed, absmax_packed)      once, at load time
   kbit::gemm(x[M,K], packed, absmax_packed, codebook, bits, n, k, bias?) -> y[M,n]
   kbit::quantize(w[N,K], codebook, bits) -> (qweight, absmax)          checkpoint layout
-  kbit::moe_gemm(x, packed[E], absmax[E], codebook, bits, n, k, sorted ids, expert ids,
+  kbit::moe_gemm(x, packed[E], absmax[E], codebook, bits, n, k, sorted_token_ids, expert_ids,
                  num_tokens_post_padded, block_m, top_k, topk_weights?) -> y[T*top_k, n]
   kbit::dequantize_experts(packed[E], absmax[E], codebook, bits, n, k, dtype) -> W[E, n, k]
+The two MoE ops serve vLLM's MoE layer (vllm_kbit/moe.py): experts repacked one by one and
+stacked (moe.repack_experts), pairs (token, expert) grouped in blocks of block_m as vLLM's
+moe_align_block_size lays them out.
 """
 from __future__ import annotations
 
@@ -129,32 +132,56 @@ def _quantize_ref(weight, codebook, bits):
     return kf.quantize_checked(weight, bits, codebook)
 
 
+def _check_expert_layout(packed, absmax, bits, n, k, op):
+    """The reference reads the checkpoint layout, stacked: packed [E, n, k/32*bits], absmax [E, n, k/32]."""
+    e = packed.shape[0]
+    if packed.shape != (e, n, k // kf.BLOCK_SIZE * bits) or packed.dtype != torch.int32:
+        raise ValueError(f"kbit::{op}: packed is {packed.dtype} {tuple(packed.shape)}; the reference path "
+                         f"expects int32 [E, {n}, {k // kf.BLOCK_SIZE * bits}] (n={n}, k={k}, bits={bits})")
+    if absmax.shape != (e, n, k // kf.BLOCK_SIZE) or absmax.dtype != torch.uint8:
+        raise ValueError(f"kbit::{op}: absmax is {absmax.dtype} {tuple(absmax.shape)}; the reference path "
+                         f"expects uint8 [{e}, {n}, {k // kf.BLOCK_SIZE}] (n={n}, k={k})")
+
+
+def _work_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _moe_gemm_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
                   num_tokens_post_padded, block_m, top_k, topk_weights=None):
-    # The contract (MoE ops, moe_gemm): row p = x[p // top_k] @ W_e^T (* topk_weights[p]) for the
-    # pairs p of each block of sorted ids that starts below num_tokens_post_padded and has an
-    # expert e >= 0; ids outside [0, num_pairs) are padding; rows no block covers are 0.
-    # Accumulated in float32 and rounded once, as the kernel does. packed[e] / absmax[e] are
-    # expert e's checkpoint tensors here (repack is the identity on this path).
+    # Which expert each pair p = token * top_k + slot gets, from the blocks alone (as the kernel
+    # reads them); pairs no valid block covers stay at -1 and give 0. Computed in float32
+    # (float64 for float64 x), rounded to x.dtype once. Shape-only control flow: no host sync.
+    _check_expert_layout(packed, absmax, bits, n, k, "moe_gemm")
     num_pairs = x.shape[0] * top_k
-    y = torch.zeros(num_pairs, n, dtype=torch.float32, device=x.device)
-    end = min(int(num_tokens_post_padded.reshape(-1)[0]), sorted_token_ids.numel())
-    weights = topk_weights.reshape(-1).float() if topk_weights is not None else None
-    for start in range(0, end, block_m):
-        e = int(expert_ids[start // block_m])
-        ids = sorted_token_ids[start:start + block_m].long()
-        ids = ids[(ids >= 0) & (ids < num_pairs)]
-        if e < 0 or ids.numel() == 0:
-            continue
-        w = kf.dequantize(packed[e], absmax[e], bits, codebook.float(), dtype=torch.float32)
-        out = x[ids // top_k].float() @ w.t()
-        y[ids] = out * weights[ids, None] if weights is not None else out
+    work = _work_dtype(x.dtype)
+    ids = sorted_token_ids.long()
+    nblocks = expert_ids.shape[0]
+    ids = torch.nn.functional.pad(ids, (0, nblocks * block_m - ids.shape[0]), value=num_pairs)[:nblocks * block_m]
+    start = torch.arange(nblocks, device=x.device).repeat_interleave(block_m) * block_m
+    expert = expert_ids.long().repeat_interleave(block_m)
+    valid = (ids >= 0) & (ids < num_pairs) & (start < num_tokens_post_padded.long()) & (expert >= 0)
+    pair_expert = torch.full((num_pairs + 1,), -1, dtype=torch.long, device=x.device)
+    pair_expert.index_put_((torch.where(valid, ids, num_pairs),), torch.where(valid, expert, -1))
+    pair_expert = pair_expert[:num_pairs]
+    rows = x.to(work).repeat_interleave(top_k, dim=0)
+    y = torch.zeros(num_pairs, n, dtype=work, device=x.device)
+    cb = codebook.to(x.device, work)
+    for e in range(packed.shape[0]):
+        w = kf.dequantize(packed[e], absmax[e], bits, cb, dtype=work)
+        y = torch.where((pair_expert == e).unsqueeze(1), rows @ w.t(), y)
+    if topk_weights is not None:
+        y = y * topk_weights.reshape(-1, 1).to(work)
     return y.to(x.dtype)
 
 
 def _dequantize_experts_ref(packed, absmax, codebook, bits, n, k, dtype):
-    return torch.stack([kf.dequantize(packed[e], absmax[e], bits, codebook.float(), dtype=dtype)
-                        for e in range(packed.shape[0])])
+    _check_expert_layout(packed, absmax, bits, n, k, "dequantize_experts")
+    cb = codebook.to(packed.device, _work_dtype(dtype))
+    out = torch.empty(packed.shape[0], n, k, dtype=dtype, device=packed.device)
+    for e in range(packed.shape[0]):
+        out[e] = kf.dequantize(packed[e], absmax[e], bits, cb, dtype=dtype)
+    return out
 
 
 _REF_KEYS = ["CPU"] if HAS_CUDA_KERNELS else ["CPU", "CUDA"]
@@ -222,3 +249,4 @@ def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = No
         weight = weight.float()  # e.g. float64: the kernels take 16/32-bit floats
     q, a = torch.ops.kbit.quantize(weight.contiguous(), cb.to(weight.device), bits)
     return q, a, underflow
+

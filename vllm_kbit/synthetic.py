@@ -72,10 +72,20 @@ ARCHITECTURES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}, "GeGLU, logit soft-capping, tied embeddings"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}, "qkv_proj / gate_up_proj fused in the checkpoint"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2},
-                "MoE experts and router left unquantized, attention kbit"),
+                "kbit MoE experts (w1 / w3 / w2) beside a float router"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2},
-                  "MoE with a kbit shared expert beside unquantized experts and gates"),
+                  "kbit experts and a kbit shared expert beside float gates"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2},
+                  "kbit experts; vLLM hands its router (`mlp.gate`) the quant_config, which keeps it float"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1,
+                     "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 64, "kv_lora_rank": 512,
+                     "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_scaling": None},
+                    "MLA attention, a dense first layer, kbit routed and shared experts, float router"),
 }
+# MoE architectures: their experts' intermediate size is intermediate_size / 2 (Mixtral's:
+# intermediate_size); keep it a multiple of 64 for the kbit MoE kernels' tiles.
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 def make_random_llama(dst, **kwargs) -> Path:
@@ -94,8 +104,11 @@ def make_random_model(dst, *, arch: str = "llama", hidden_size: int = 256, inter
 
     Weights and biases ~ N(0, init_std) (norm weights 1: Gemma 2's norms scale by 1 + weight, so
     its four norms a layer and the final one each double), deterministic in `seed`. Every
-    architecture gets head_dim = hidden_size / num_heads; the MoE ones 4 experts (Qwen2-MoE's of
-    intermediate_size / 2, beside a shared expert of intermediate_size). `tie_word_embeddings`
+    architecture gets head_dim = hidden_size / num_heads (DeepSeek-V3: MLA with DeepSeek-V3's head
+    dims, which vLLM's MLA kernels require);
+    the MoE ones (MOE_ARCHITECTURES) 4 experts (Qwen3-MoE 8) of intermediate_size / 2 (Mixtral's
+    of intermediate_size), Qwen2-MoE beside a shared expert of intermediate_size, DeepSeek-V3
+    beside one shared expert and after a dense first layer. `tie_word_embeddings`
     None keeps the architecture's default (Gemma 2 ties, the others do not). The tokenizer is
     trained with at most `vocab_size` tokens (fewer when the built-in text runs out of merges);
     its <s>/</s> ids are the model's bos/eos (and pad). Returns `dst` as a Path."""
@@ -118,15 +131,20 @@ def make_random_model(dst, *, arch: str = "llama", hidden_size: int = 256, inter
     if arch == "qwen2_moe":
         extra.update(moe_intermediate_size=intermediate_size // 2,
                      shared_expert_intermediate_size=intermediate_size)
+    if arch in ("qwen3_moe", "deepseek_v3"):
+        extra.update(moe_intermediate_size=intermediate_size // 2)
+    if arch == "deepseek_v3":  # MLA: every head has its own keys; the rotary part sets head_dim
+        extra.update(num_key_value_heads=num_heads, head_dim=extra["qk_rope_head_dim"])
     if arch == "phi3":  # (its default, 4096, asks for long-rope scaling past max_position_embeddings)
         extra.update(original_max_position_embeddings=max_position_embeddings)
     if tie_word_embeddings is not None:
         extra.update(tie_word_embeddings=tie_word_embeddings)
-    config = getattr(transformers, config_name)(
-        hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
-        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
-        bos_token_id=bos, eos_token_id=eos, pad_token_id=eos, initializer_range=init_std, dtype=dtype, **extra)
+    config = getattr(transformers, config_name)(**{
+        **dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+               num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
+               vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
+               bos_token_id=bos, eos_token_id=eos, pad_token_id=eos, initializer_range=init_std, dtype=dtype),
+        **extra})
     model_cls = getattr(transformers, model_name)
 
     # Meta first, then one allocation per tensor in `dtype`: no float32 copy of an 8B model.

@@ -1,0 +1,415 @@
+"""KbitMoEMethod: kbit experts for vLLM's MoE layer (RoutedExperts), and `experts_forward`,
+the routed-experts computation that the layer and benchmarks/bench_moe_layer.py share.
+
+Parameters (per rank; E = local experts, H = hidden, I = expert intermediate per TP rank,
+N13 = 2I for gated activations, else I), checkpoint layout as a linear layer's:
+  w13_qweight int32 [E, N13, H/32*bits]   w13_absmax uint8 [E, N13, H/32]   (gate rows, then up)
+  w2_qweight  int32 [E, H, I/32*bits]     w2_absmax  uint8 [E, H, I/32]
+loaded from the per-expert checkpoint tensors `...experts.{e}.{gate,up,down}_proj.{qweight,absmax}`
+(Mixtral: w1 / w3 / w2) through vLLM's own expert loader, which shards w13 by rows and w2 along
+I (whole 32-blocks per rank, checked). After loading, each expert is repacked (repack_experts)
+into the stacked layout of kbit::moe_gemm.
+
+Forward (`experts_forward`), vLLM's fused_moe recipe with kbit GEMMs:
+  small batches: moe_align_block_size -> kbit::moe_gemm (w13) -> activation -> kbit::moe_gemm
+                 (w2, times the router weights) -> moe_sum;
+  large batches: kbit::dequantize_experts on chunks of experts (bounded scratch) -> vLLM's
+                 Triton fused_experts on each chunk (an expert map selects its experts), summed.
+No host synchronisation on the GPU: it runs inside vLLM's opaque moe_forward op, under CUDA
+graphs and torch.compile. On the CPU the same code runs with torch stand-ins for vLLM's CUDA
+pieces (alignment, activation, sum, fused_experts).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from vllm.config import get_current_vllm_config_or_none
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+from vllm.model_executor.layers.quantization.utils.layer_utils import replace_parameter
+from vllm.model_executor.utils import set_weight_attrs
+
+from vllm_kbit import format as kf
+from vllm_kbit import ops
+from vllm_kbit.linear import _DUMMY_CODE_HI, _DUMMY_CODE_LO
+
+# Rows of sorted (token, expert) pairs per block of kbit::moe_gemm.
+BLOCK_M = 16
+# Above this many (token, expert) pairs a layer dequantizes its experts and runs vLLM's bf16 /
+# fp16 Triton MoE instead of kbit::moe_gemm: measured on the GPU (benchmarks/bench_moe_layer.py,
+# docs/PERFORMANCE.md).
+DENSE_MIN_PAIRS = 1024
+# Bytes of dequantized experts (w13 + w2) the large-batch path holds at once.
+DENSE_SCRATCH_BYTES = 1 << 30
+
+# Activations whose vLLM kernel (apply_moe_activation) takes no clamp parameters, with the
+# torch equivalent the CPU path runs.
+_ACTIVATIONS = {
+    MoEActivation.SILU: lambda g, u: F.silu(g) * u,
+    MoEActivation.GELU: lambda g, u: F.gelu(g) * u,
+    MoEActivation.GELU_TANH: lambda g, u: F.gelu(g, approximate="tanh") * u,
+    MoEActivation.SILU_NO_MUL: F.silu,
+    MoEActivation.GELU_NO_MUL: F.gelu,
+    MoEActivation.GELU_TANH_NO_MUL: lambda t: F.gelu(t, approximate="tanh"),
+    MoEActivation.RELU2_NO_MUL: lambda t: F.relu(t).square(),
+}
+
+
+@dataclass
+class KbitExperts:
+    """One layer's stacked kbit experts and what experts_forward needs to run them."""
+    w13: torch.Tensor          # moe_gemm layout (ops.repack_experts)
+    w13_absmax: torch.Tensor
+    w2: torch.Tensor
+    w2_absmax: torch.Tensor
+    codebook: torch.Tensor     # float32 [2^bits], on the weights' device
+    bits: int
+    hidden: int                # H
+    inter: int                 # I (per rank)
+    gated: bool                # w13 holds gate and up rows (N13 = 2I)
+    activation: MoEActivation = MoEActivation.SILU
+    global_num_experts: int = -1
+    expert_map: torch.Tensor | None = None    # int32 [global] -> local id or -1 (expert parallel)
+    dense_maps: list[torch.Tensor] | None = None  # per chunk of dense_chunk experts: global -> chunk id
+    dense_chunk: int = 0
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def n13(self) -> int:
+        return 2 * self.inter if self.gated else self.inter
+
+
+def repack_experts(qweight: torch.Tensor, absmax: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts of one layer in the checkpoint layout, stacked (qweight int32 [E, n, k/32*bits],
+    absmax uint8 [E, n, k/32]) -> the stacked layout kbit::moe_gemm / dequantize_experts read:
+    each expert through kbit::repack, row e = expert e's output, flattened to [E, P] / [E, U]
+    where the CUDA kernels serve (on the reference path repack is the identity and the stack
+    stays 3-D). One expert at a time: the scratch is one expert's repack output."""
+    num = qweight.shape[0]
+    flat = ops.HAS_CUDA_KERNELS and qweight.is_cuda
+    packed = absmax_packed = None
+    for e in range(num):
+        p, a = ops.repack(qweight[e], absmax[e], bits)
+        if packed is None:
+            shape_p, shape_a = ((p.numel(),), (a.numel(),)) if flat else (p.shape, a.shape)
+            packed = torch.empty((num, *shape_p), dtype=p.dtype, device=p.device)
+            absmax_packed = torch.empty((num, *shape_a), dtype=a.dtype, device=a.device)
+        packed[e] = p.reshape(packed.shape[1:])
+        absmax_packed[e] = a.reshape(absmax_packed.shape[1:])
+    return packed, absmax_packed
+
+
+# ----------------------------------------------------------------------------- vLLM pieces, CPU stand-ins
+
+def align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
+                     expert_map: torch.Tensor | None):
+    """(sorted_token_ids, expert_ids, num_tokens_post_padded) as vLLM's moe_align_block_size
+    with ignore_invalid_experts=True (pairs of experts not on this rank are left out; expert ids
+    are local). `num_experts` is the global count. On the CPU, a torch equivalent."""
+    if topk_ids.is_cuda:
+        from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+        return moe_align_block_size(topk_ids, block_m, num_experts, expert_map, ignore_invalid_experts=True)
+    return align_block_size_torch(topk_ids, block_m, num_experts, expert_map)
+
+
+def align_block_size_torch(topk_ids, block_m, num_experts, expert_map=None):
+    """moe_align_block_size in torch (host-synchronising; CPU and tests): each expert's pairs in
+    ascending order, padded with num_pairs to a multiple of block_m; unused blocks get -1."""
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    size = num_pairs + num_experts * (block_m - 1)
+    if num_pairs < num_experts:
+        size = min(num_pairs * block_m, size)
+    local = expert_map.long()[flat] if expert_map is not None else flat
+    sorted_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=flat.device)
+    expert_ids = torch.full((-(-size // block_m),), -1, dtype=torch.int32, device=flat.device)
+    pos = 0
+    for e in range(num_experts):
+        pairs = (local == e).nonzero().flatten()
+        if pairs.numel() == 0:
+            continue
+        sorted_ids[pos:pos + pairs.numel()] = pairs.to(torch.int32)
+        blocks = -(-pairs.numel() // block_m)
+        expert_ids[pos // block_m:pos // block_m + blocks] = e
+        pos += blocks * block_m
+    return sorted_ids, expert_ids, torch.tensor([pos], dtype=torch.int32, device=flat.device)
+
+
+def moe_activation(activation: MoEActivation, h: torch.Tensor) -> torch.Tensor:
+    """vLLM's MoE activation of the w13 output [P, N13] -> [P, I]."""
+    gated = activation.is_gated
+    out = h.new_empty((h.shape[0], h.shape[1] // 2 if gated else h.shape[1]))
+    if h.is_cuda:
+        from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
+        apply_moe_activation(activation, out, h)
+        return out
+    fn = _ACTIVATIONS[activation]
+    hf = h.float()
+    out.copy_(fn(*hf.chunk(2, dim=-1)) if gated else fn(hf))
+    return out
+
+
+def moe_sum(y: torch.Tensor) -> torch.Tensor:
+    """[M, top_k, H] -> [M, H]: vLLM's moe_sum on the GPU."""
+    if y.is_cuda:
+        from vllm import _custom_ops
+        out = y.new_empty((y.shape[0], y.shape[2]))
+        _custom_ops.moe_sum(y, out)
+        return out
+    return y.sum(dim=1)
+
+
+def _fused_experts_torch(x, w13, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
+                         expert_map):
+    """vLLM's fused_experts (unquantized, with an expert map) in torch, for the CPU."""
+    m, top_k = topk_ids.shape
+    local = expert_map.long()[topk_ids.long()] if expert_map is not None else topk_ids.long()
+    rows = x.float().repeat_interleave(top_k, dim=0)
+    tw = topk_weights.float().reshape(-1, 1)
+    if apply_router_weight_on_input:
+        rows = rows * tw
+    y = torch.zeros(m * top_k, w2.shape[1], dtype=torch.float32)
+    for e in range(w13.shape[0]):
+        h = (rows @ w13[e].float().t()).to(x.dtype)
+        a = moe_activation(activation, h)
+        y = torch.where((local.reshape(-1) == e).unsqueeze(1), (a.float() @ w2[e].float().t()), y)
+    if not apply_router_weight_on_input:
+        y = y * tw
+    return y.to(x.dtype).reshape(m, top_k, -1).sum(1)
+
+
+# ----------------------------------------------------------------------------- forward
+
+def dense_chunk_size(hidden: int, n13: int, inter: int, dtype_bytes: int = 2) -> int:
+    """Experts dequantized at once by the large-batch path (DENSE_SCRATCH_BYTES of w13 + w2)."""
+    return max(1, DENSE_SCRATCH_BYTES // ((n13 + inter) * hidden * dtype_bytes))
+
+
+def dense_expert_maps(expert_map: torch.Tensor | None, global_num_experts: int, num_local: int,
+                      chunk: int, device) -> list[torch.Tensor]:
+    """Per chunk of `chunk` local experts: int32 [global] -> id within the chunk, or -1."""
+    local = (expert_map.long().cpu() if expert_map is not None
+             else torch.arange(global_num_experts))
+    maps = []
+    for e0 in range(0, num_local, chunk):
+        inside = (local >= e0) & (local < e0 + chunk)
+        maps.append(torch.where(inside, local - e0, -1).to(torch.int32).to(device))
+    return maps
+
+
+def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    apply_router_weight_on_input: bool = False, path: str | None = None) -> torch.Tensor:
+    """The routed experts' output [M, H] in x.dtype: sum over k of topk_weights[:, k] times expert
+    topk_ids[:, k] applied to x (the router weights multiply x instead when
+    apply_router_weight_on_input). `path`: "gemm" (kbit::moe_gemm), "dense" (dequantize +
+    fused_experts), or None: by the pair count (DENSE_MIN_PAIRS)."""
+    m, top_k = topk_ids.shape
+    if path is None:
+        path = "dense" if m * top_k > DENSE_MIN_PAIRS else "gemm"
+    if apply_router_weight_on_input and top_k != 1:
+        raise ValueError(f"kbit MoE: apply_router_weight_on_input needs top_k = 1, got {top_k}")
+    if path == "dense":
+        return _forward_dense(ex, x, topk_weights, topk_ids, apply_router_weight_on_input)
+    if path != "gemm":
+        raise ValueError(f"kbit MoE: path must be 'gemm', 'dense' or None, got {path!r}")
+    global_e = ex.global_num_experts if ex.global_num_experts > 0 else ex.num_experts
+    sorted_ids, expert_ids, num_post = align_block_size(topk_ids, BLOCK_M, global_e, ex.expert_map)
+    if apply_router_weight_on_input:
+        x = (x.float() * topk_weights.float().reshape(-1, 1)).to(x.dtype)
+    x, topk_weights = x.contiguous(), topk_weights.contiguous()
+    h = torch.ops.kbit.moe_gemm(x, ex.w13, ex.w13_absmax, ex.codebook, ex.bits, ex.n13, ex.hidden,
+                                sorted_ids, expert_ids, num_post, BLOCK_M, top_k)
+    a = moe_activation(ex.activation, h)
+    y = torch.ops.kbit.moe_gemm(a, ex.w2, ex.w2_absmax, ex.codebook, ex.bits, ex.hidden, ex.inter,
+                                sorted_ids, expert_ids, num_post, BLOCK_M, 1,
+                                None if apply_router_weight_on_input else topk_weights)
+    return moe_sum(y.view(m, top_k, ex.hidden))
+
+
+def _forward_dense(ex, x, topk_weights, topk_ids, apply_router_weight_on_input):
+    chunk = ex.dense_chunk or dense_chunk_size(ex.hidden, ex.n13, ex.inter, x.element_size())
+    maps = ex.dense_maps
+    if maps is None:
+        maps = dense_expert_maps(ex.expert_map, ex.global_num_experts if ex.global_num_experts > 0
+                                 else ex.num_experts, ex.num_experts, chunk, x.device)
+    global_e = ex.global_num_experts if ex.global_num_experts > 0 else ex.num_experts
+    out = None
+    for c, chunk_map in enumerate(maps):
+        e0, e1 = c * chunk, min(ex.num_experts, (c + 1) * chunk)
+        w13 = torch.ops.kbit.dequantize_experts(ex.w13[e0:e1], ex.w13_absmax[e0:e1], ex.codebook, ex.bits,
+                                                ex.n13, ex.hidden, x.dtype)
+        w2 = torch.ops.kbit.dequantize_experts(ex.w2[e0:e1], ex.w2_absmax[e0:e1], ex.codebook, ex.bits,
+                                               ex.hidden, ex.inter, x.dtype)
+        if x.is_cuda:
+            from vllm.model_executor.layers.fused_moe import fused_experts
+            y = fused_experts(x, w13, w2, topk_weights, topk_ids, activation=ex.activation,
+                              apply_router_weight_on_input=apply_router_weight_on_input,
+                              global_num_experts=global_e, expert_map=chunk_map)
+        else:
+            y = _fused_experts_torch(x, w13, w2, topk_weights, topk_ids, ex.activation,
+                                     apply_router_weight_on_input, chunk_map)
+        del w13, w2
+        out = y if out is None else out.add_(y)
+    return out
+
+
+# ----------------------------------------------------------------------------- vLLM method
+
+class KbitMoEMethod(FusedMoEMethodBase):
+    """Three modes, fixed at create time, as KbitLinearMethod's: checkpoint (kbit expert
+    tensors), online (`--quantization kbit` on a float checkpoint: float w13_weight / w2_weight,
+    quantized after loading), dummy (`--load-format dummy`: random valid kbit experts)."""
+
+    def __init__(self, config, moe, prefix: str):
+        super().__init__(moe)
+        self.config = config
+        self.prefix = prefix
+
+    # -- weights
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        require = getattr(ops, "require_kernels", None)
+        if require is not None:
+            require(self.prefix)
+        bits, moe = self.config.bits, self.moe
+        hid, inter = hidden_size, intermediate_size_per_partition
+        tp = moe.moe_parallel_config.tp_size
+        if layer.activation not in _ACTIVATIONS or moe.swiglu_limit is not None:
+            raise ValueError(f"kbit MoE layer {self.prefix}: activation {layer.activation.value}"
+                             f"{' with a clamp limit' if moe.swiglu_limit is not None else ''} is not supported; "
+                             f"list the layer in quantization_config.ignore")
+        if moe.has_bias:
+            raise ValueError(f"kbit MoE layer {self.prefix}: experts with biases are not supported; "
+                             f"list the layer in quantization_config.ignore")
+        if hid != extra_weight_attrs.get("unpadded_hidden_size", hid) or hid % kf.BLOCK_SIZE:
+            raise ValueError(f"kbit MoE layer {self.prefix}: hidden size {hid} (padded from "
+                             f"{extra_weight_attrs.get('unpadded_hidden_size', hid)} by the MoE backend) must be "
+                             f"an unpadded multiple of {kf.BLOCK_SIZE}")
+        if inter % kf.BLOCK_SIZE:
+            split = f" split over {tp} tensor-parallel ranks into {inter}" if tp > 1 else ""
+            raise ValueError(
+                f"kbit MoE layer {self.prefix}: expert intermediate size {moe.intermediate_size}{split} is "
+                f"not a multiple of the {kf.BLOCK_SIZE}-weight block; use a tensor-parallel size that keeps "
+                f"whole blocks per rank (or expert parallelism), or list the layer in quantization_config.ignore")
+        n13 = 2 * inter if moe.is_act_and_mul else inter
+        vc = get_current_vllm_config_or_none()
+        dummy = vc is not None and vc.load_config.load_format == "dummy"
+        layer.kbit_mode = "dummy" if dummy else ("checkpoint" if self.config.from_checkpoint else "online")
+        layer.kbit_dims = (hid, inter, moe.is_act_and_mul)
+        layer.kbit_loaded = {}
+        loader = extra_weight_attrs["weight_loader"]
+        full_inter = moe.intermediate_size
+        if layer.kbit_mode == "online":
+            specs = [("w13_weight", (n13, hid), params_dtype, hid), ("w2_weight", (hid, inter), params_dtype, full_inter)]
+        else:
+            nb = kf.BLOCK_SIZE
+            specs = [("w13_qweight", (n13, hid // nb * bits), torch.int32, hid // nb * bits),
+                     ("w13_absmax", (n13, hid // nb), torch.uint8, hid // nb),
+                     ("w2_qweight", (hid, inter // nb * bits), torch.int32, full_inter // nb * bits),
+                     ("w2_absmax", (hid, inter // nb), torch.uint8, full_inter // nb)]
+        for name, shape, dtype, cols in specs:
+            p = torch.nn.Parameter(torch.empty(num_experts, *shape, dtype=dtype), requires_grad=False)
+            layer.register_parameter(name, p)
+            check_dtype = None if layer.kbit_mode == "online" else dtype
+            set_weight_attrs(p, {"weight_loader": self._checked_loader(layer, name, loader, check_dtype, cols)})
+
+    def _checked_loader(self, layer, name, loader, dtype, cols):
+        """vLLM's expert loader after checks that name the tensor, recording which (expert, shard)
+        arrived. vLLM's loader picks its branch by the parameter's name: `absmax` goes down its
+        weight branch, which shards it as the qweight's blocks."""
+
+        def load(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+            full = f"{self.prefix}.{expert_id}.{shard_id}.{name.split('_', 1)[1]}"
+            if dtype is not None and loaded_weight.dtype != dtype:
+                raise ValueError(f"kbit: {full} ({weight_name}) must be {dtype}, the checkpoint has "
+                                 f"{loaded_weight.dtype}")
+            if loaded_weight.dim() != 2 or loaded_weight.shape[1] != cols:
+                raise ValueError(
+                    f"kbit: expert tensor {full} ({weight_name}) has shape {tuple(loaded_weight.shape)}; "
+                    f"expected [rows, {cols}] for bits={self.config.bits} (is the checkpoint's `bits` right?)")
+            vllm_name = weight_name if "weight" in weight_name else f"{weight_name}.weight"
+            ok = loader(param, loaded_weight, vllm_name, shard_id=shard_id, expert_id=expert_id,
+                        return_success=True)
+            if ok:
+                layer.kbit_loaded.setdefault(name, set()).add((expert_id, shard_id))
+            return ok if return_success else None
+
+        load.supports_moe_loading = True
+        return load
+
+    def _check_all_loaded(self, layer, names) -> None:
+        for name in names:
+            got = layer.kbit_loaded.get(name, set())
+            shards = ("w1", "w3") if name.startswith("w13") and layer.kbit_dims[2] else (
+                ("w1",) if name.startswith("w13") else ("w2",))
+            want = getattr(layer, name).shape[0] * len(shards)
+            if len(got) < want:
+                have = {(e, s) for e, s in got}
+                missing = next((f"expert {e} {s}" for e in range(layer.global_num_experts) for s in shards
+                                if (e, s) not in have and layer._map_global_expert_id_to_local_expert_id(e) >= 0),
+                               "?")
+                raise ValueError(f"kbit: {self.prefix}.{name} is missing from the checkpoint "
+                                 f"({len(got)} of {want} expert shards loaded; first missing: {missing})")
+
+    def process_weights_after_loading(self, layer) -> None:
+        bits, cb = self.config.bits, self.config.codebook
+        if layer.kbit_mode == "online":
+            self._check_all_loaded(layer, ("w13_weight", "w2_weight"))
+            tensors = {}
+            for src, dst in (("w13_weight", "w13"), ("w2_weight", "w2")):
+                w = getattr(layer, src).data
+                qs, abs_ = zip(*[ops.quantize(w[e], bits, cb, name=f"{self.prefix}.{e}.{dst}")[:2]
+                                 for e in range(w.shape[0])])
+                tensors[dst] = (torch.stack(qs), torch.stack(abs_))
+                delattr(layer, src)
+        else:
+            if layer.kbit_mode == "dummy":
+                for name in ("w13_qweight", "w2_qweight"):
+                    getattr(layer, name).data.random_(-2**31, 2**31)
+                for name in ("w13_absmax", "w2_absmax"):
+                    getattr(layer, name).data.random_(_DUMMY_CODE_LO, _DUMMY_CODE_HI + 1)
+            else:
+                self._check_all_loaded(layer, ("w13_qweight", "w13_absmax", "w2_qweight", "w2_absmax"))
+            tensors = {w: (getattr(layer, f"{w}_qweight").data, getattr(layer, f"{w}_absmax").data)
+                       for w in ("w13", "w2")}
+        for w, (q, a) in tensors.items():
+            packed, absmax = repack_experts(q, a, bits)
+            for name, t in ((f"{w}_qweight", packed), (f"{w}_absmax", absmax)):
+                param = torch.nn.Parameter(t, requires_grad=False)
+                if hasattr(layer, name):
+                    replace_parameter(layer, name, param)
+                else:
+                    layer.register_parameter(name, param)
+        device = layer.w13_qweight.device
+        layer.register_buffer("kbit_codebook", cb.to(device), persistent=False)
+        hid, inter, gated = layer.kbit_dims
+        layer.kbit_dense_chunk = dense_chunk_size(hid, (2 if gated else 1) * inter, inter)
+        layer.kbit_dense_maps = dense_expert_maps(layer.expert_map, layer.global_num_experts,
+                                                  layer.w13_qweight.shape[0], layer.kbit_dense_chunk, device)
+
+    # -- forward
+
+    def get_fused_moe_quant_config(self, layer):
+        # apply() calls no quantized vLLM kernel (fused_experts runs on dequantized experts);
+        # not None, so that vLLM does not ask again on every forward
+        return FUSED_MOE_UNQUANTIZED_CONFIG
+
+    def experts(self, layer) -> KbitExperts:
+        hid, inter, gated = layer.kbit_dims
+        return KbitExperts(w13=layer.w13_qweight, w13_absmax=layer.w13_absmax, w2=layer.w2_qweight,
+                           w2_absmax=layer.w2_absmax, codebook=layer.kbit_codebook, bits=self.config.bits,
+                           hidden=hid, inter=inter, gated=gated, activation=layer.activation,
+                           global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
+                           dense_maps=layer.kbit_dense_maps, dense_chunk=layer.kbit_dense_chunk)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        # the MoE runner runs the shared experts itself (this method has no modular kernel)
+        return experts_forward(self.experts(layer), x, topk_weights, topk_ids,
+                               apply_router_weight_on_input=layer.apply_router_weight_on_input)
