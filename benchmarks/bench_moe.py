@@ -1,104 +1,229 @@
-"""Benchmark of the kbit MoE expert GEMM (torch.ops.kbit.moe_gemm, the grouped GEMV over
-moe_align_block_size's blocks) on the expert shapes of a few MoE models, and of
-torch.ops.kbit.dequantize_experts (the large-batch path's first step) on a whole layer.
+"""One MoE layer's routed experts, as vLLM runs them inside its moe_forward op, replayed from a
+CUDA graph: kbit K (through vllm_kbit.moe.experts_forward, the code KbitMoEMethod.apply runs;
+each path forced: `gemm` = kbit::moe_gemm, `dense` = dequantize chunks + vLLM's Triton
+fused_experts) against vLLM's bf16 fused_experts and its int4 moe_wna16 path (group 128,
+through fused_experts with int4_w4a16_moe_quant_config). Routing: fused_topk on random router
+logits, made once outside the graph, the same for every method.
 
-Method as bench_gemm.py (its Timer: a 512 MiB write flushes the L2 before every timed call; the
-median of CUDA-event times). moe_gemm is reported as microseconds, GB/s of the bytes that must
-move (the routed experts' weights and absmax once each, x, y) and % of the copy bandwidth
-measured in the same run: at M = 1 the kernel should be bound by those weight bytes.
-dequantize_experts as microseconds and GB/s (all experts' kbit bytes read, fp16 written).
+  python3 benchmarks/bench_moe.py [--shapes qwen3-30b-a3b,mixtral-8x7b]
+      [--ms 1,4,16,64,256,1024,4096] [--bits 2,3,4,5] [--paths gemm,dense] [--no-baselines] [--out DIR]
+  python3 benchmarks/bench_moe.py --check    # kbit against bf16 fused_experts of its
+                                                   # dequantized experts; exits 1 on a mismatch
 
-  python benchmarks/bench_moe.py                       # every model, M = 1, 4, 16, 64, K = 4
-  python benchmarks/bench_moe.py --bits 2,3,4,5 --ms 1,8
+Times: median µs of --reps replays (CUDA events). Results:
+benchmarks/results/bench_moe_<gpu>.json (+ .png), with the GPU, date, commit and command.
+vllm_kbit.moe.DENSE_MIN_PAIRS_PER_EXPERT, the switch between the two kbit paths, is read off these tables.
+(benchmarks/bench_moe.py times the kbit MoE ops alone.)
 """
 from __future__ import annotations
 
 import argparse
-import os
+import datetime
+import json
+import re
+import statistics
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import bench_gemm as bg  # noqa: E402
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 
-# name: (experts, top_k, hidden, intermediate); gate_up is [2 I, H], down [H, I]
-MODELS = {
-    "qwen3-30b-a3b": (128, 8, 2048, 768),
-    "deepseek-v2-lite": (64, 6, 2048, 1408),
-    "mixtral-8x7b": (8, 2, 4096, 14336),
+SHAPES = {  # experts, top-k, hidden, expert intermediate
+    "qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, inter=768),
+    "mixtral-8x7b": dict(experts=8, top_k=2, hidden=4096, inter=14336),
 }
-BLOCK_M = 16
+INT4_GROUP = 128
+CHECK_TOL = 2e-2  # relative error of kbit against bf16 of the same (dequantized) weights
 
 
-def align(topk_ids, num_experts):
-    try:
-        from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
-        return moe_align_block_size(topk_ids, BLOCK_M, num_experts)
-    except Exception:  # noqa: BLE001 (vLLM without CUDA ops: the tests' pure-torch equivalent)
-        import moe_cases
-        return moe_cases.align_ref(topk_ids, BLOCK_M, num_experts)
-
-
-def stacked_experts(num_experts, n, k, bits, seed):
-    """Random tiled experts [E, P] / [E, U] (random indices and realistic E4M4 codes)."""
-    from vllm_kbit import layout as kl
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    p, u = kl.packed_numel(n, k, bits), kl.absmax_numel(n, k)
-    packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (num_experts, p), generator=g, device="cuda", dtype=torch.int32)
-    absmax = torch.randint(0x70, 0xA0, (num_experts, u), generator=g, device="cuda", dtype=torch.int32)
-    return packed, absmax.to(torch.uint8), p * 4 + u
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--bits", default="4")
-    ap.add_argument("--ms", default="1,4,16,64")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
-    args = ap.parse_args()
+def kbit_experts(shape, bits, gen):
+    """Random valid kbit experts (random codes, absmax in the dummy-load range) on the GPU."""
     from vllm_kbit import format as kf
+    from vllm_kbit.linear import _DUMMY_CODE_HI, _DUMMY_CODE_LO
+    from vllm_kbit.moe import KbitExperts, dense_chunk_size, dense_expert_maps, repack_experts
+
+    e, h, i = shape["experts"], shape["hidden"], shape["inter"]
+    tensors = []
+    for n, k in ((2 * i, h), (h, i)):
+        q = torch.randint(-2**31, 2**31, (e, n, k // 32 * bits), dtype=torch.int32, device="cuda", generator=gen)
+        a = torch.randint(_DUMMY_CODE_LO, _DUMMY_CODE_HI + 1, (e, n, k // 32), dtype=torch.uint8, device="cuda",
+                          generator=gen)
+        tensors += list(repack_experts(q, a, bits))
+        del q, a
+    chunk = dense_chunk_size(h, 2 * i, i)
+    return KbitExperts(*tensors, codebook=kf.normal_float_codebook(bits).cuda(), bits=bits, hidden=h, inter=i,
+                       gated=True, global_num_experts=e, dense_chunk=chunk,
+                       dense_maps=dense_expert_maps(None, e, e, chunk, "cuda"))
+
+
+def dequantized(ex):
+    deq = torch.ops.kbit.dequantize_experts
+    return (deq(ex.w13, ex.w13_absmax, ex.codebook, ex.bits, ex.n13, ex.hidden, torch.bfloat16),
+            deq(ex.w2, ex.w2_absmax, ex.codebook, ex.bits, ex.hidden, ex.inter, torch.bfloat16))
+
+
+def int4_method(shape, gen):
+    from vllm.model_executor.layers.fused_moe import fused_experts
+    from vllm.model_executor.layers.fused_moe.config import int4_w4a16_moe_quant_config
+
+    e, h, i = shape["experts"], shape["hidden"], shape["inter"]
+    u8 = dict(dtype=torch.uint8, device="cuda", generator=gen)
+    w13, w2 = torch.randint(0, 256, (e, 2 * i, h // 2), **u8), torch.randint(0, 256, (e, h, i // 2), **u8)
+    s13 = torch.rand(e, 2 * i, h // INT4_GROUP, device="cuda", generator=gen).to(torch.bfloat16) * 1e-3
+    s2 = torch.rand(e, h, i // INT4_GROUP, device="cuda", generator=gen).to(torch.bfloat16) * 1e-3
+    qc = int4_w4a16_moe_quant_config(w1_scale=s13, w2_scale=s2, w1_zp=None, w2_zp=None, block_shape=[0, INT4_GROUP])
+    return lambda x, tw, tid: fused_experts(x, w13, w2, tw, tid, quant_config=qc)
+
+
+def routing(shape, m, gen):
+    from vllm.model_executor.layers.fused_moe import fused_topk
+    x = (torch.randn(m, shape["hidden"], device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    logits = torch.randn(m, shape["experts"], device="cuda", generator=gen)
+    tw, tid, _ = fused_topk(x, logits, shape["top_k"], renormalize=True)
+    return x, tw, tid
+
+
+def graph_us(fn, reps):
+    """Median µs of one replay of a CUDA graph of fn() (warmed up outside the capture)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    del g
+    return statistics.median(times)
+
+
+def time_methods(shape_name, methods, inputs, reps, rows):
+    for m, (x, tw, tid) in inputs.items():
+        for name, fn in methods.items():
+            us = graph_us(lambda: fn(x, tw, tid), reps)
+            rows.append(dict(shape=shape_name, m=m, method=name, us=us))
+            print(f"{shape_name} M={m} {name}: {us:.1f} us", flush=True)
+
+
+def rel_err(y, ref):
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--ms", default="1,4,16,64,256,1024,4096")
+    ap.add_argument("--bits", default="2,3,4,5")
+    ap.add_argument("--paths", default="gemm,dense", help="kbit paths to time (gemm, dense)")
+    ap.add_argument("--no-baselines", action="store_true", help="kbit only (no bf16 / int4)")
+    ap.add_argument("--check", action="store_true", help="compare kbit with bf16 of its dequantized experts")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--tag", help="stem of the result files (default bench_moe_<gpu>)")
+    args = ap.parse_args()
+    from bench_gemm import git_commit
+    from vllm.model_executor.layers.fused_moe import fused_experts
+
     from vllm_kbit import ops
-    assert ops.HAS_CUDA_KERNELS, "needs the built vllm_kbit._C"
-    dtype = getattr(torch, args.dtype)
-    timer = bg.Timer()
-    copy_gbs = bg.copy_bandwidth(timer)
-    bg.log(f"# {torch.cuda.get_device_name()}  commit {bg.git_commit()}  copy bandwidth {copy_gbs:.0f} GB/s  "
-           f"{args.dtype}  block_m {BLOCK_M}")
-    bg.log(f"{'model':18} {'proj':8} {'K':>2} {'M':>4} {'experts':>7} {'us':>8} {'GB/s':>7} {'%copy':>6}")
-    for name in args.models.split(","):
-        num_experts, top_k, hidden, inter = MODELS[name]
+    from vllm_kbit.moe import experts_forward
+
+    if not ops.HAS_CUDA_KERNELS:
+        print("warning: vllm_kbit._C is not built: kbit runs the PyTorch reference", file=sys.stderr)
+    gpu = torch.cuda.get_device_name(0)
+    ms = [int(m) for m in args.ms.split(",")]
+    paths = args.paths.split(",")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, failures = [], []
+    for shape_name in args.shapes.split(","):
+        shape = SHAPES[shape_name]
+        inputs = {m: routing(shape, m, gen) for m in ms}  # the same tokens and routing for every method
+        if not args.no_baselines and not args.check:
+            e, h, i = shape["experts"], shape["hidden"], shape["inter"]
+            w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+            w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+            baselines = {"bf16": lambda x, tw, tid: fused_experts(x, w13, w2, tw, tid),
+                         "int4_moe_wna16_g128": int4_method(shape, gen)}
+            time_methods(shape_name, baselines, inputs, args.reps, rows)
+            del w13, w2, baselines
+            torch.cuda.empty_cache()
         for bits in [int(b) for b in args.bits.split(",")]:
-            cb = kf.normal_float_codebook(bits, "cuda")
-            for proj, n, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
-                packed, absmax, expert_bytes = stacked_experts(num_experts, n, k, bits, seed=bits + n)
-                for m in [int(v) for v in args.ms.split(",")]:
-                    g = torch.Generator(device="cuda").manual_seed(m)
-                    logits = torch.randn(m, num_experts, generator=g, device="cuda")
-                    weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
-                    sorted_ids, expert_ids, ntpp = align(ids.to(torch.int32), num_experts)
-                    # gate_up reads the tokens' rows (top_k pairs a row); down one row a pair, top_k = 1
-                    rows, tk = (m, top_k) if proj == "gate_up" else (m * top_k, 1)
-                    x = torch.randn(rows, k, device="cuda", dtype=dtype)
-                    w = weights.float() if proj == "down" else None
+            ex = kbit_experts(shape, bits, gen)
+            methods = {f"kbit{bits}_{p}": (lambda p: lambda x, tw, tid: experts_forward(ex, x, tw, tid, path=p))(p)
+                       for p in paths}
+            if args.check:
+                w13, w2 = dequantized(ex)
+                for m, (x, tw, tid) in inputs.items():
+                    ref = fused_experts(x, w13, w2, tw, tid)
+                    for name, fn in methods.items():
+                        err = rel_err(fn(x, tw, tid), ref)
+                        ok = err < CHECK_TOL
+                        print(f"{shape_name} M={m} {name}: rel err {err:.2e} {'ok' if ok else 'MISMATCH'}", flush=True)
+                        rows.append(dict(shape=shape_name, m=m, method=name, rel_err=err))
+                        if not ok:
+                            failures.append(f"{shape_name} M={m} {name}")
+                del w13, w2
+            else:
+                time_methods(shape_name, methods, inputs, args.reps, rows)
+            del ex, methods
+            torch.cuda.empty_cache()
+    stamp = {"gpu": gpu, "date": datetime.date.today().isoformat(), "commit": git_commit(),
+             "command": " ".join(sys.argv), "shapes": {s: SHAPES[s] for s in args.shapes.split(",")},
+             "units": "us per call of the layer's routed experts (CUDA graph replay, median)"
+             if not args.check else "relative error against bf16 fused_experts of the dequantized experts"}
+    args.out.mkdir(parents=True, exist_ok=True)
+    # one file per GPU; a run of some shapes or the check gets its own
+    parts = [re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")]
+    parts += [] if args.shapes == ",".join(SHAPES) else [re.sub(r"[^a-z0-9]+", "_", args.shapes)]
+    parts += ["check"] if args.check else []
+    tag = args.tag or "_".join(["bench_moe", *parts])
+    (args.out / f"{tag}.json").write_text(json.dumps({**stamp, "results": rows}, indent=2) + "\n")
+    print(f"wrote {args.out / (tag + '.json')}")
+    if not args.check:
+        plot(rows, stamp, args.out / f"{tag}.png")
+    if failures:
+        print(f"MISMATCH in {len(failures)} case(s): {', '.join(failures)}")
+        return 1
+    return 0
 
-                    def call():
-                        return torch.ops.kbit.moe_gemm(x, packed, absmax, cb, bits, n, k, sorted_ids, expert_ids,
-                                                       ntpp, BLOCK_M, tk, w)
 
-                    us = timer(call)
-                    routed = int(ids.unique().numel())
-                    moved = routed * expert_bytes + x.numel() * 2 + m * top_k * n * 2
-                    gbs = moved / (us * 1e-6) / 1e9
-                    bg.log(f"{name:18} {proj:8} {bits:>2} {m:>4} {routed:>7} {us:>8.1f} {gbs:>7.0f} "
-                           f"{100 * gbs / copy_gbs:>5.1f}%")
-                us = timer(lambda: torch.ops.kbit.dequantize_experts(packed, absmax, cb, bits, n, k, dtype))
-                moved = num_experts * (expert_bytes + n * k * 2)
-                bg.log(f"{name:18} {proj:8} {bits:>2} dequantize_experts (all {num_experts}) {us:>8.1f} us "
-                       f"{moved / (us * 1e-6) / 1e9:>7.0f} GB/s")
-                del packed, absmax
+def plot(rows, stamp, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for method in dict.fromkeys(r["method"] for r in rows if r["shape"] == shape):
+            pts = [(r["m"], r["us"]) for r in rows if r["shape"] == shape and r["method"] == method]
+            ax.plot(*zip(*pts), marker="o", label=method, linestyle="--" if not method.startswith("kbit") else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens M")
+        ax.set_ylabel("µs")
+        ax.set_title(shape)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"MoE layer (routed experts), {stamp['gpu']}, {stamp['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -274,6 +274,22 @@ def test_experts_forward_variants(variant, path):
     assert rel_err(y, ref) < 3e-2
 
 
+def test_sparse_blocks_skip_the_align():
+    """Few pairs and no expert map: every pair is its own block (no moe_align_block_size), with
+    the same result as the sorted blocks; two tokens on one expert included."""
+    gen = torch.Generator().manual_seed(5)
+    ex, _, _ = make_experts(8, 64, 64, 3, gen)
+    ids = torch.tensor([[2, 5], [5, 7]], dtype=torch.int32)
+    weights = torch.rand(2, 2, generator=gen)
+    x = torch.randn(2, 64, generator=gen).to(torch.bfloat16)
+    args = (ex, x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE))
+    with mock.patch("vllm_kbit.moe.align_block_size", side_effect=RuntimeError("aligned")):
+        sparse = experts_forward(*args)  # 4 pairs <= 0.5 * 8 experts
+    with mock.patch("vllm_kbit.moe.SPARSE_MAX_PAIRS_PER_EXPERT", 0):
+        aligned = experts_forward(*args)
+    assert rel_err(sparse, aligned.double()) < 1e-2
+
+
 def test_path_switch_and_errors():
     gen = torch.Generator().manual_seed(4)
     ex, _, _ = make_experts(4, 64, 64, 4, gen, dense_chunk=4)
@@ -285,7 +301,7 @@ def test_path_switch_and_errors():
         experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE), path="fast")
     with mock.patch("vllm_kbit.moe._forward_dense", side_effect=RuntimeError("dense")):
         experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE))  # 6 pairs: the gemm path
-        with mock.patch("vllm_kbit.moe.DENSE_MIN_PAIRS", 5), pytest.raises(RuntimeError, match="dense"):
+        with mock.patch("vllm_kbit.moe.DENSE_MIN_PAIRS_PER_EXPERT", 1), pytest.raises(RuntimeError, match="dense"):
             experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE))
 
 

@@ -1,5 +1,5 @@
 """KbitMoEMethod: kbit experts for vLLM's MoE layer (RoutedExperts), and `experts_forward`,
-the routed-experts computation that the layer and benchmarks/bench_moe_layer.py share.
+the routed-experts computation that the layer and benchmarks/bench_moe.py share.
 
 Parameters (per rank; E = local experts, H = hidden, I = expert intermediate per TP rank,
 N13 = 2I for gated activations, else I), checkpoint layout as a linear layer's:
@@ -38,10 +38,17 @@ from vllm_kbit.linear import _DUMMY_CODE_HI, _DUMMY_CODE_LO
 
 # Rows of sorted (token, expert) pairs per block of kbit::moe_gemm.
 BLOCK_M = 16
-# Above this many (token, expert) pairs a layer dequantizes its experts and runs vLLM's bf16 /
-# fp16 Triton MoE instead of kbit::moe_gemm: measured on the GPU (benchmarks/bench_moe_layer.py,
-# docs/PERFORMANCE.md).
-DENSE_MIN_PAIRS = 1024
+# Up to this many (token, expert) pairs per expert, a batch without an expert map skips
+# moe_align_block_size: every pair is its own block (block_m = 1, as vLLM's fused_experts does
+# for sparse batches). The grid then holds the pairs, not E * (BLOCK_M - 1) padding blocks, and
+# the align kernel is gone; two tokens on one expert read its weights twice, which is rare
+# while pairs are fewer than half the experts.
+SPARSE_MAX_PAIRS_PER_EXPERT = 0.5
+# From this many (token, expert) pairs per expert a layer dequantizes its experts and runs
+# vLLM's bf16 / fp16 Triton MoE instead of kbit::moe_gemm, whose blocks of BLOCK_M pairs each
+# read their expert's weights once: the crossover on Qwen3-30B-A3B's experts lies between 64
+# and 256 (docs/PERFORMANCE.md).
+DENSE_MIN_PAIRS_PER_EXPERT = 128
 # Bytes of dequantized experts (w13 + w2) the large-batch path holds at once.
 DENSE_SCRATCH_BYTES = 1 << 30
 
@@ -203,6 +210,15 @@ def dense_expert_maps(expert_map: torch.Tensor | None, global_num_experts: int, 
     return maps
 
 
+def sparse_blocks(topk_ids: torch.Tensor):
+    """The block_m = 1 form of moe_align_block_size's output, without sorting: pair p is block p,
+    of expert topk_ids.view(-1)[p]. Device tensors only (no host sync)."""
+    num_pairs = topk_ids.numel()
+    sorted_ids = torch.arange(num_pairs, dtype=torch.int32, device=topk_ids.device)
+    num_post = torch.full((1,), num_pairs, dtype=torch.int32, device=topk_ids.device)
+    return sorted_ids, topk_ids.reshape(-1).to(torch.int32), num_post
+
+
 def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                     apply_router_weight_on_input: bool = False, path: str | None = None) -> torch.Tensor:
     """The routed experts' output [M, H] in x.dtype: sum over k of topk_weights[:, k] times expert
@@ -210,24 +226,28 @@ def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor
     apply_router_weight_on_input). `path`: "gemm" (kbit::moe_gemm), "dense" (dequantize +
     fused_experts), or None: by the pair count (DENSE_MIN_PAIRS)."""
     m, top_k = topk_ids.shape
+    global_e = ex.global_num_experts if ex.global_num_experts > 0 else ex.num_experts
     if path is None:
-        path = "dense" if m * top_k > DENSE_MIN_PAIRS else "gemm"
+        path = "dense" if m * top_k >= DENSE_MIN_PAIRS_PER_EXPERT * global_e else "gemm"
     if apply_router_weight_on_input and top_k != 1:
         raise ValueError(f"kbit MoE: apply_router_weight_on_input needs top_k = 1, got {top_k}")
     if path == "dense":
         return _forward_dense(ex, x, topk_weights, topk_ids, apply_router_weight_on_input)
     if path != "gemm":
         raise ValueError(f"kbit MoE: path must be 'gemm', 'dense' or None, got {path!r}")
-    global_e = ex.global_num_experts if ex.global_num_experts > 0 else ex.num_experts
-    sorted_ids, expert_ids, num_post = align_block_size(topk_ids, BLOCK_M, global_e, ex.expert_map)
+    if ex.expert_map is None and m * top_k <= SPARSE_MAX_PAIRS_PER_EXPERT * global_e:
+        block_m, (sorted_ids, expert_ids, num_post) = 1, sparse_blocks(topk_ids)
+    else:
+        block_m = BLOCK_M
+        sorted_ids, expert_ids, num_post = align_block_size(topk_ids, BLOCK_M, global_e, ex.expert_map)
     if apply_router_weight_on_input:
         x = (x.float() * topk_weights.float().reshape(-1, 1)).to(x.dtype)
     x, topk_weights = x.contiguous(), topk_weights.contiguous()
     h = torch.ops.kbit.moe_gemm(x, ex.w13, ex.w13_absmax, ex.codebook, ex.bits, ex.n13, ex.hidden,
-                                sorted_ids, expert_ids, num_post, BLOCK_M, top_k)
+                                sorted_ids, expert_ids, num_post, block_m, top_k)
     a = moe_activation(ex.activation, h)
     y = torch.ops.kbit.moe_gemm(a, ex.w2, ex.w2_absmax, ex.codebook, ex.bits, ex.hidden, ex.inter,
-                                sorted_ids, expert_ids, num_post, BLOCK_M, 1,
+                                sorted_ids, expert_ids, num_post, block_m, 1,
                                 None if apply_router_weight_on_input else topk_weights)
     return moe_sum(y.view(m, top_k, ex.hidden))
 

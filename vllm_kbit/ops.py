@@ -226,6 +226,9 @@ def _quantize_fake(weight, codebook, bits):
 # ----------------------------------------------------------------------------- wrappers
 
 def repack(qweight: torch.Tensor, absmax: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' layout of one weight. The repack kernel reads 16-byte vectors, so a view that
+    starts off a 16-byte boundary (one expert of a stacked [E, n, k/32] absmax) is copied first."""
+    qweight, absmax = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (qweight, absmax))
     return torch.ops.kbit.repack(qweight, absmax, bits)
 
 
