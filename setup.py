@@ -31,7 +31,6 @@ def cuda_extension():
             "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
             "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
             "--threads", "4"]
-    nvcc += os.environ.get("KBIT_NVCC_FLAGS", "").split()  # dev probes, e.g. -DKBIT_DEV_NO_TRANSPOSE
     if any(a.startswith("9.0a") for a in archs):
         nvcc.append("-DKBIT_HAS_SM90A")  # the wgmma kernel's sm_90a code is in this build
     ext = CUDAExtension(

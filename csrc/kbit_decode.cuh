@@ -30,13 +30,8 @@ namespace kbit {
 
 // Replicas of the shared-memory pair table: replica r serves lanes r, r + kLutReplicas, ..., so
 // with 32 every lane owns a bank (conflict-free lookups) and with 16 two lanes share one (a
-// 2-way conflict where their entries differ) for half the shared memory. Probe builds may set
-// KBIT_WG_DEV_LUTREP=16 or 8 (scripts/wgmma_dev.py flag LUTREP=n).
-#ifdef KBIT_WG_DEV_LUTREP
-constexpr int kLutReplicas = KBIT_WG_DEV_LUTREP;
-#else
+// 2-way conflict where their entries differ) for half the shared memory.
 constexpr int kLutReplicas = 32;
-#endif
 static_assert(kLutReplicas == 32 || kLutReplicas == 16 || kLutReplicas == 8, "pair-table replicas: 32, 16 or 8");
 
 // Per bit width: where the codebook lives and how x is paired.

@@ -138,13 +138,7 @@ constexpr int kXSmemStages = 2;
 // -DKBIT_GEMV_DEV_NO_K4XR_SCALEW, bench_decode_gemv_k4_xr_scalew_25dd9fc.json). Every M <= 8
 // kernel on the weights (-DKBIT_GEMV_DEV_SCALEW=2, same file) made the others 1-3% slower.
 template <int BITS, int MT, bool kOneWarpSlab = false> constexpr bool scale_weights() {
-#if defined(KBIT_GEMV_DEV_SCALEW)
-  return KBIT_GEMV_DEV_SCALEW == 2 || (KBIT_GEMV_DEV_SCALEW == 1 && MT == 2);
-#elif defined(KBIT_GEMV_DEV_NO_K4XR_SCALEW)
-  return MT == 2 || BITS == 2;
-#else
   return MT == 2 || BITS == 2 || (kOneWarpSlab && BITS == 4);
-#endif
 }
 
 // One unit as a lane holds it in registers: its 16 bytes of each bit-plane, the 16 absmax
@@ -215,10 +209,6 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
       }
       const uint32_t u0 = L[0], u1 = Traits<BITS>::kCrumbPairs ? L[1] : L[2];
       const uint32_t v0 = Traits<BITS>::kCrumbPairs ? L[2] : L[1], v1 = L[3];
-#ifdef KBIT_GEMV_DEV_NOXPERM  // probe (wrong results): what the x permutation costs
-      bx[mt][0][0] = u0, bx[mt][0][1] = u1, bx[mt][1][0] = v0, bx[mt][1][1] = v1;
-      continue;
-#endif
       bx[mt][0][0] = prmt(u0, u1, 0x5410);
       bx[mt][0][1] = prmt(u0, u1, 0x7632);
       bx[mt][1][0] = prmt(v0, v1, 0x5410);
@@ -464,13 +454,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   float* part = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + S::kPart);
   // part[slab][e]: the sum over that slab's warps (warp_cta = slab * kWarps + warp)
   constexpr int kElems = kSlabs * kAcc * 32;
-#ifdef KBIT_GEMV_DEV_RED_COPY  // (probe builds, A/B: one warp a slab through the scratch too)
-  constexpr bool kDirect = false;
-#elif defined(KBIT_GEMV_DEV_DIRECT_ALL)
-  constexpr bool kDirect = kOneWarpSlab;
-#else
   constexpr bool kDirect = kOneWarpSlab && (BITS != 3 || MT == 2);
-#endif
   // One warp a slab (the 15- and 16-slab CTAs): its accumulators are the slab's sums, so they
   // go straight to `part`, in the layout the pass below would copy them to: 8B gate_up at
   // M = 12 / 16 2.0-2.3% faster at K=4, 1.0-1.3% at K=5, the step 0.7-0.9% / 0.5-0.9% (H200,

@@ -95,12 +95,7 @@ __host__ __device__ constexpr int xr_max_units(int mt) { return mt == 2 ? 72 : 1
 // 17920x1536, 22016x2048, 14336x4096, 18944x3584, 12288x5120) changes plan, nor any of
 // Llama-3-8B / 70B, Qwen2.5-7B or Gemma-2-9B; with KBIT_GEMV_XRES=0, 16384x3072 at K=2 goes
 // from S = 1 to S = 2 too (not measured).
-// KBIT_GEMV_DEV_NARROW_MIN8 (probe builds, A/B): the rule before.
-#ifdef KBIT_GEMV_DEV_NARROW_MIN8
-constexpr int kNarrowMinUnits = 8;
-#else
 constexpr int kNarrowMinUnits = 4;
-#endif
 
 struct Plan {
   int splits, warps, slabs = 0;  // slabs > 0: x resident, that many slabs per CTA of xr_warps(slabs)
@@ -148,13 +143,8 @@ inline double plan_cost(int m, int nu, int ku, int num_sms, int s, int g, int wa
 // fit one wave (kXrFillSlabs, above). The wave check counts clusters (Clusters): by SMs / 4,
 // 481..528 slabs (32768 columns, say) would take S = 4 in two waves.
 constexpr int kS4Min = 8;
-// the smallest bit width that takes S = 4 (above); KBIT_GEMV_DEV_NO_K3S4 (probe builds, A/B):
-// K=3 out, the plan before bench_gemv_k3_s4_d372645.json
-#ifdef KBIT_GEMV_DEV_NO_K3S4
-constexpr int kS4MinBits = 4;
-#else
+// the smallest bit width that takes S = 4 (above)
 constexpr int kS4MinBits = 3;
-#endif
 struct XrPlan {
   int splits, slabs;
   double cost, rank;  // the model's lowest cost over the candidates; this one's rank (kS4Unit)
@@ -181,11 +171,9 @@ inline XrPlan choose_xr(int m, int nu, int ku, int bits, int num_sms, const Clus
         best = {se, g, cost, rank};
     }
   }
-#ifndef KBIT_GEMV_DEV_NO_G15  // (probe builds, A/B: the plan before)
   if (forced_g <= 0 && best.slabs == kWideWarps && best.splits == 4 && div_up(nu, kXrFillSlabs) <= cl.n[4] &&
       div_up(nu, kXrFillSlabs) > div_up(nu, kWideWarps))
     best.slabs = kXrFillSlabs;
-#endif
   best.cost = min_cost;  // whether x resident beats the classic plan: by the model alone
   return best;
 }
@@ -247,7 +235,6 @@ inline Plan choose_plan(int m, int nu, int ku, int bits, int num_sms, const Clus
   const double margin = m > kGemvOneTileM ? 1.0 : 0.9;
   if (xr.slabs > 0 && xr.cost < margin * plan_cost(m, nu, ku, num_sms, s, 1, classic.warps, per_sm))
     return {xr.splits, xr_warps(xr.slabs), xr.slabs};
-#ifndef KBIT_GEMV_DEV_NO_K3XR  // (probe builds, A/B: the plan before)
   // K=3 where the classic plan is four 4-warp CTAs per SM: the x-resident clusters of four win
   // at every M, not only from M = 6 where the model takes them, if they put >= 80% of the SMs
   // to work. Those 4-warp CTAs read the packed pair table (three instructions a pair against
@@ -265,7 +252,6 @@ inline Plan choose_plan(int m, int nu, int ku, int bits, int num_sms, const Clus
   if ((bits == 3 || bits == 4) && classic.warps == kNarrowWarps && xr.splits == 4 && one_warp_a_slab(xr.slabs) &&
       10LL * 4 * div_up(nu, xr.slabs) >= 8LL * num_sms)
     return {xr.splits, xr_warps(xr.slabs), xr.slabs};
-#endif
   return classic;
 }
 

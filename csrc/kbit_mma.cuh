@@ -21,8 +21,7 @@
 //     << 6); bf16: E4M4(c) == 2^116 * bf16_from_bits(c << 3)), the constant folded into the
 //     codebook registers, so a weight is codebook * scale with a single rounding.
 //   * 6-stage cp.async pipeline, 4 K-tiles ahead, one cp.async wait + __syncthreads per two
-//     K-tiles (KBIT_MMA_MBAR=1 instead hands stages between warps with per-stage mbarriers:
-//     faster at M = 64, but not racecheck-clean, see below); it runs straight across work
+//     K-tiles; it runs straight across work
 //     items (the next tile's first K-tiles are in flight during the epilogue).
 //   * persistent grid over (m-tile, n-tile, k-chunk) work items in an L2-friendly grouped
 //     order (seed 004); split-K with a deterministic reduction: every k-chunk writes its fp32
@@ -64,18 +63,8 @@ namespace mma {
 constexpr int kTileK = kUnitK;  // 64: one layout unit, two absmax blocks
 static_assert(kTileK == 64 && kBlock == 32, "the kernel assumes two 32-blocks per K-tile");
 static_assert(kUnitN == 64, "a warp tile is one 64-column layout unit");
-// Stage hand-off: 0 (default) waits on cp.async groups and __syncthreads every kTilesPerSync
-// K-tiles; 1 uses per-stage mbarriers that cp.async completion arrives on (no CTA barrier in
-// the K loop; ~25% faster at M = 64 on two shapes, equal at large M). 0 is the default because
-// compute-sanitizer racecheck proves it hazard-free; on the mbarrier build (CUDA 13.0) it
-// reports cp.async-write / ldmatrix-read hazards that we believe it cannot model but have not
-// proven false (docs/MMA.md).
-#if defined(KBIT_MMA_DEV_SYNC) && !defined(KBIT_MMA_MBAR)
-#define KBIT_MMA_MBAR 0
-#endif
-#ifndef KBIT_MMA_MBAR
-#define KBIT_MMA_MBAR 0
-#endif
+// Stage hand-off: wait on cp.async groups and __syncthreads every kTilesPerSync K-tiles
+// (compute-sanitizer racecheck proves this hazard-free).
 constexpr int kStages = 6;      // cp.async pipeline depth in K-tiles (all configs)
 constexpr int kTilesPerSync = 2;  // K-tiles computed per wait + __syncthreads
 // Loads run kPrefetch K-tiles ahead of compute; the kTilesPerSync stages before those are
@@ -88,18 +77,6 @@ constexpr int kMaxSplits = 16;
 constexpr size_t kMaxPartialBytes = size_t(64) << 20;  // split-K workspace cap (fp32 partials)
 
 // ----------------------------------------------------------------------------- PTX helpers
-
-// Stage hand-off without a CTA-wide barrier (KBIT_MMA_MBAR): per stage a "full" mbarrier
-// that every thread's cp.async completion arrives on, and an "empty" one each warp arrives on
-// when it is done reading the stage. Warps then drift within the prefetch window instead of
-// meeting at a __syncthreads every K-tile (with 2 warps per scheduler, that barrier and the
-// dequant prologue behind it left the tensor pipe idle). mbar_init / mbar_wait / mbar_arrive:
-// kbit_common.cuh.
-// Arrives on the barrier once all of this thread's earlier cp.async have landed; .noinc: the
-// arrival is one of the `count` the barrier was initialised with.
-__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t addr) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(addr));
-}
 
 // Codebook lookup: shfl.idx reads only bits [4:0] of the source-lane operand (PTX ISA,
 // shfl.sync), so a shifted index word can be passed without masking its upper bits;
@@ -232,9 +209,6 @@ __host__ __device__ constexpr CfgDesc cfg_desc(int c) {
        : c == 1 ? CfgDesc{4, 4, 1, 8, 2, 256, 64, 256, 0.6}
                 : CfgDesc{8, 4, 1, 8, 1, 256, 128, 256, 1.0};
 }
-#define KBIT_MMA_CFG0 2, 4, 1, 8, 2
-#define KBIT_MMA_CFG1 4, 4, 1, 8, 2
-#define KBIT_MMA_CFG2 8, 4, 1, 8, 1
 
 struct Params {
   const void* x;           // [m, k] row-major, fp16 / bf16
@@ -374,31 +348,11 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) kbit_mma_kernel(const Para
     }
   };
   l_setup();
-#if KBIT_MMA_MBAR
-  __shared__ __align__(8) uint64_t s_bar[2 * kStages];  // [full x kStages][empty x kStages]
-  const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(s_bar));
-  const auto bar_full = [&](int st) { return bar_base + st * 8; };
-  const auto bar_empty = [&](int st) { return bar_base + (kStages + st) * 8; };
-  if (tid == 0) {
-    for (int st = 0; st < kStages; ++st) {
-      mbar_init(bar_full(st), C::kThreads);     // every thread's copies of the fill
-      mbar_init(bar_empty(st), C::kThreads / 32);  // every warp done reading it
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int s = 0; s < kPrefetch; ++s) {
-    l_issue(s);
-    cp_async_mbar_arrive(bar_full(s));
-  }
-  uint32_t l_round = 0, c_round = 0;  // completed passes over the stage ring (phase parity)
-#else
 #pragma unroll
   for (int s = 0; s < kPrefetch; ++s) {  // one commit group per K-tile, always (maybe empty)
     l_issue(s);
     cp_async_commit();
   }
-#endif
   int c_stage = 0, l_stage = kPrefetch;
 
   // Per-lane ldmatrix offsets: row (lane & 15) of the m16 block, chunk 2*s + (lane >> 4),
@@ -426,19 +380,6 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) kbit_mma_kernel(const Para
         for (int r = 0; r < 4; ++r) acc[mb][j][r] = 0.f;
 
     for (int kt = kt0; kt < kt1;) {
-#if KBIT_MMA_MBAR
-      // Refill the stage of K-tile (consumed + kPrefetch) once every warp has released its
-      // previous fill (consumed 2 K-tiles ago: slack, rarely a wait), then wait for this one.
-      const int n_here = 1;
-      if (l_round > 0) mbar_wait(bar_empty(l_stage), (l_round - 1) & 1u);
-      l_issue(l_stage);
-      cp_async_mbar_arrive(bar_full(l_stage));
-      if (++l_stage == kStages) {
-        l_stage = 0;
-        ++l_round;
-      }
-      mbar_wait(bar_full(c_stage), c_round & 1u);
-#else
       // Up to kTilesPerSync K-tiles per wait + barrier: the barrier (and the dequant prologue
       // behind it, which the 2 warps per scheduler cannot hide) is paid half as often.
       // Groups committed so far = consumed + kPrefetch; the next n tiles must have landed.
@@ -450,7 +391,6 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) kbit_mma_kernel(const Para
         cp_async_commit();
         l_stage = l_stage + 1 == kStages ? 0 : l_stage + 1;
       }
-#endif
       for (int i = 0; i < n_here; ++i, ++kt) {
       if (active) {
         const uint32_t st = c_stage * C::kStageBytes;
@@ -507,22 +447,12 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) kbit_mma_kernel(const Para
               const int q = j & 3;
               // Codebook lookups: (cb[i0], 0), (0, cb[i1]) ... then scale with one rounding:
               // b = lo * s + (hi * s) puts cb[i0]*s in the low half and cb[i1]*s in the high.
-#if defined(KBIT_MMA_DEV_NODEQUANT)  // dev-only ceiling probe (scripts/mma_dev.py), wrong results
-              bf[j][0] = sc[j] ^ W.lane_of(q, h, 0);
-              bf[j][1] = sc[j] ^ W.lane_of(q, h, 2);
-#else
-#if defined(KBIT_MMA_DEV_NOSHFL)  // dev-only probe: everything but the shuffles, wrong results
-              const uint32_t l0 = W.lane_of(q, h, 0) & 0x3FFF3FFFu, h0 = W.lane_of(q, h, 1) & 0x3FFF3FFFu;
-              const uint32_t l1 = W.lane_of(q, h, 2) & 0x3FFF3FFFu, h1 = W.lane_of(q, h, 3) & 0x3FFF3FFFu;
-#else
               const uint32_t l0 = shfl_lut(cb_lo, W.lane_of(q, h, 0));
               const uint32_t h0 = shfl_lut(cb_hi, W.lane_of(q, h, 1));
               const uint32_t l1 = shfl_lut(cb_lo, W.lane_of(q, h, 2));
               const uint32_t h1 = shfl_lut(cb_hi, W.lane_of(q, h, 3));
-#endif
               bf[j][0] = D::fma2(l0, sc[j], D::mul2(h0, sc[j]));
               bf[j][1] = D::fma2(l1, sc[j], D::mul2(h1, sc[j]));
-#endif
             }
             // ... then the MMAs, m-blocks in groups of 4 so at most 16 A registers are live.
             constexpr int kMG = MB < 4 ? MB : 4;
@@ -540,11 +470,6 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) kbit_mma_kernel(const Para
           }
         }
       }
-#if KBIT_MMA_MBAR
-      __syncwarp();  // all lanes' shared reads of this stage are done
-      if (lane == 0) mbar_arrive(bar_empty(c_stage));  // racecheck flags this form: kbit_common.cuh
-      if (c_stage + 1 == kStages) ++c_round;
-#endif
       c_stage = c_stage + 1 == kStages ? 0 : c_stage + 1;
       }
     }
@@ -732,6 +657,13 @@ cudaError_t launch_cfg(const Params& prm, int grid, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Tile config c of cfg_desc, as the kernel's template arguments.
+template <typename T, int BITS, int C>
+cudaError_t launch_config(const Params& prm, int grid, cudaStream_t stream) {
+  constexpr CfgDesc d = cfg_desc(C);
+  return launch_cfg<T, BITS, d.mb, d.ng, d.wm, d.wn, d.min_blocks>(prm, grid, stream);
+}
+
 // Launch for one dtype and bit width (instantiated in csrc/generated/mma_k{BITS}.cu).
 // `workspace` must hold workspace_bytes(plan) bytes (16 B aligned) when plan.splits > 1.
 template <typename T, int BITS>
@@ -764,9 +696,9 @@ cudaError_t launch_bits(const Plan& pl, const void* x, const uint32_t* packed, c
     if (e != cudaSuccess) return e;
   }
   switch (pl.cfg) {
-    case 0: return launch_cfg<T, BITS, KBIT_MMA_CFG0>(prm, pl.grid, stream);
-    case 1: return launch_cfg<T, BITS, KBIT_MMA_CFG1>(prm, pl.grid, stream);
-    default: return launch_cfg<T, BITS, KBIT_MMA_CFG2>(prm, pl.grid, stream);
+    case 0: return launch_config<T, BITS, 0>(prm, pl.grid, stream);
+    case 1: return launch_config<T, BITS, 1>(prm, pl.grid, stream);
+    default: return launch_config<T, BITS, 2>(prm, pl.grid, stream);
   }
 }
 

@@ -140,11 +140,7 @@ template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
   // would fit; not measured). With the wide table (below): 7-10% faster at K=4, M = 128..512
   // on 28672x4096 and 57344x8192 (wgmma_dev.py), 4-8% in the 8B decode step at K = 2..4 and
   // 1-2% at K=5 (docs/MMA.md, tenth session).
-#ifndef KBIT_WG_DEV_NOPRODUCER
   static constexpr bool kProducer = kCtasPerSm == 1 && CN <= 256;
-#else
-  static constexpr bool kProducer = false;
-#endif
   static constexpr int kThreads = kConsumers + (kProducer ? 128 : 0);
   static constexpr int kUnitBytes = BITS * 512 + kUnitAbsmaxBytes;  // one layout unit
   static constexpr int kXBytes = MT * 128;    // MT rows x 64 k x 2 B; a multiple of the 1 KB swizzle atom
@@ -155,11 +151,7 @@ template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
   // the first 64 KB-aligned address of the CTA's window, so one PRMT forms a lookup address
   // (the GEMV's scheme). Stages then fill the space below it and above it; barriers sit at
   // kWideUsable. Whatever the window's start, that leaves at least kWideFit stages.
-#ifndef KBIT_WG_DEV_NOWIDELUT
   static constexpr bool kWideLut = PairTable<BITS>::kLutEntries > 0 && kCtasPerSm == 1 && kLutReplicas == 32;
-#else
-  static constexpr bool kWideLut = false;
-#endif
   static constexpr int kWideBytes = 232448;                      // the 227 KB opt-in maximum
   static constexpr int kWideUsable = kWideBytes - 2048;           // from the 1 KB-aligned base
   static constexpr int kWideFit = (kWideUsable - PairTable<BITS>::kWideLutBytes) / kStageBytes - 1;
@@ -168,13 +160,9 @@ template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
   // or a whole SM's (one), capped at 8. Tile t's stage
   // is refilled with tile t + kStages at iteration t + 2 (the wgmmas of tile t may still read
   // its x during iteration t + 1), so kStages - 2 K-tiles are in flight from DRAM (W) and L2 (x).
-#ifdef KBIT_WG_DEV_STAGES
-  static constexpr int kStages = KBIT_WG_DEV_STAGES;
-#else
   static constexpr int kBudget = (kCtasPerSm == 2 ? 110 : 220) * 1024;
   static constexpr int kFit = kWideLut ? kWideFit : (kBudget - kStageOff) / kStageBytes;
   static constexpr int kStages = kFit > 8 ? 8 : kFit;
-#endif
   static constexpr int kLead = kStages - 2;                 // K-tiles issued ahead of the one computed
   static constexpr int kPipeBytes = kStageOff + kStages * kStageBytes;
   static constexpr int kAcc = kSets * MT / 2;               // fp32 accumulators per thread
@@ -190,7 +178,7 @@ template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
   static_assert(kStages >= 3, "tile t + kStages - 2 is issued while tile t is computed");
   static_assert(kBytes <= 227 * 1024, "fits one SM's shared memory");
   static_assert(!kWideLut || (kRedBytes <= kWideUsable && kWideFit >= 3), "the wide table leaves room for the pipeline");
-  static_assert(!kWideLut || kStages <= kWideFit, "stages beside the wide table (KBIT_WG_DEV_STAGES too)");
+  static_assert(!kWideLut || kStages <= kWideFit, "stages beside the wide table");
 };
 
 // ----------------------------------------------------------------------------- PTX helpers
@@ -271,20 +259,9 @@ __device__ __forceinline__ void tma_store_drain() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
-// mbar_wait; probe builds (KBIT_WG_DEV_WATCHDOG) trap after ~2 x 10^7 polls instead of hanging.
+// The stage's mbarrier phase `parity` has completed.
 __device__ __forceinline__ void stage_wait(uint32_t bar, uint32_t parity) {
-#ifdef KBIT_WG_DEV_WATCHDOG
-  for (long long i = 0;; ++i) {
-    uint32_t done;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    if (done) return;
-    if (i > 20000000LL) __trap();
-  }
-#else
   mbar_wait(bar, parity);
-#endif
 }
 // Orders this thread's register writes (decoded A, zeroed accumulators) before the next wgmma.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -388,10 +365,6 @@ __device__ __forceinline__ void decode_row_tile(const Decoder<BITS, T, kWideLut>
     const uint32_t a[2][4] = {{a0[0], a0[1], a0[2], a0[3]}, {a1[0], a1[1], a1[2], a1[3]}};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // rows g (fragment registers 0, 2) and g + 8 (1, 3)
-#ifdef KBIT_WG_DEV_NOREGROUP  // probe (wrong results): what the regroup PRMTs cost
-      A[0][r] = a[r][0], A[0][2 + r] = a[r][2], A[1][r] = a[r][1], A[1][2 + r] = a[r][3];
-      continue;
-#endif
       if constexpr (kCrumb) {
         A[0][r] = prmt(a[r][0], a[r][1], 0x5410);
         A[0][2 + r] = prmt(a[r][0], a[r][1], 0x7632);
@@ -407,12 +380,8 @@ __device__ __forceinline__ void decode_row_tile(const Decoder<BITS, T, kWideLut>
   }
 }
 
-// Whether decode_word takes natural pairs: K=5 (-DKBIT_WG_DEV_REGROUP: the regroup, for A/Bs).
-#ifdef KBIT_WG_DEV_REGROUP
-constexpr bool kNaturalK5 = false;
-#else
+// Whether decode_word takes natural pairs: K=5.
 constexpr bool kNaturalK5 = true;
-#endif
 
 // A fragments of one plane word: row tiles 2h and 2h+1 as A[qp][k16 step][register];
 // or, with kOneTile, only row tile 2h + qp as A[0] (the 256-token CTA, whose warps each multiply
@@ -421,11 +390,6 @@ template <int BITS, typename T, bool kWideLut = false, bool kOneTile = false>
 __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint32_t codes,
                                             uint32_t (&A)[kOneTile ? 1 : 2][2][4], uint32_t lut_addr, uint32_t table,
                                             int qp = 0) {
-#ifdef KBIT_WG_DEV_NODECODE
-#pragma unroll
-  for (int i = 0; i < (kOneTile ? 8 : 16); ++i) (&A[0][0][0])[i] = planes[i % BITS] ^ codes;
-  return;
-#endif
   constexpr bool kNatural = BITS == 5 && kNaturalK5;
   Decoder<BITS, T, kWideLut> dec;
   dec.load(planes);
@@ -498,20 +462,6 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   // zeros past M and K (TMA); lane 0 of each slab's warp its unit.
   // Measured against thread 0 issuing every unit's copies and against cp.async of W by the
   // slab's warps (arriving on the same mbarrier): 2-5% faster at M = 64..256, equal at M = 16.
-#ifndef KBIT_WG_DEV_NOX
-  constexpr uint32_t kXTx = C::kXBytes;
-#else
-  constexpr uint32_t kXTx = 0;
-#endif
-  // probe only (wrong results): KBIT_WG_DEV_XHALF loads x on even K-tiles only, half its L2 traffic
-  const auto x_tx = [&](int i) -> uint32_t {
-#ifdef KBIT_WG_DEV_XHALF
-    return (i & 1) ? 0u : kXTx;
-#else
-    (void)i;
-    return kXTx;
-#endif
-  };
   // the warps that load W, one slab each: with warpgroups on shared slabs (R > 1) the last
   // one, so that the first (whose thread 0 issues x) does not also carry W's issue work
   // (0.2-1.1% faster at M = 128 / 256 on four shapes, wgmma_dev.py, same call)
@@ -533,10 +483,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
     // the stage's previous generic-proxy reads (LDS of W) are ordered before the async writes
     if (tid == 0 || w_issuer) fence_proxy_async();
     if (tid == 0) {
-      mbar_arrive_expect_tx(bar, x_tx(i));
-#ifndef KBIT_WG_DEV_NOX
-      if (x_tx(i)) tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
-#endif
+      mbar_arrive_expect_tx(bar, C::kXBytes);
+      tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
     }
     if (w_issuer) {
       mbar_arrive_expect_tx(bar, C::kUnitBytes);
@@ -556,10 +504,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
           if (i >= C::kStages) mbar_wait(empty0 + 8 * sg, ((i / C::kStages) - 1) & 1);
           const uint32_t st = stage_addr(sg), bar = bar0 + 8 * sg;
           fence_proxy_async();
-          mbar_arrive_expect_tx(bar, x_tx(i) + C::kSlabsCta * C::kUnitBytes);
-#ifndef KBIT_WG_DEV_NOX
-          if (x_tx(i)) tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
-#endif
+          mbar_arrive_expect_tx(bar, C::kXBytes + C::kSlabsCta * C::kUnitBytes);
+          tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
 #pragma unroll
           for (int sl = 0; sl < C::kSlabsCta; ++sl) load_unit(st, sl, ku, bar);
         }
@@ -600,9 +546,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
     if constexpr (!C::kProducer) {
       // every warp is past iteration t - 1, whose wgmma.wait retired tile t - 2's reads: its
       // stage may be refilled
-#ifndef KBIT_WG_DEV_NOSYNC  // probe only (wrong results): what the CTA-wide hand-off costs
       __syncthreads();
-#endif
       issue(t + C::kLead);  // into tile t - 2's stage
     }
     // this lane's plane words and absmax codes of the unit: words w = 2 kb + h
@@ -647,11 +591,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
       for (int s = 0; s < 2; ++s)
 #pragma unroll
         for (int r = 0; r < kSets; ++r) {
-#ifdef KBIT_WG_DEV_NOMMA
-          acc[r][s] += __uint_as_float((Ab[r][s][0] ^ Ab[r][s][1] ^ Ab[r][s][2] ^ Ab[r][s][3]) & 0x3fffffffu) + float(xt);
-#else
           wgmma_rs<MT, T>(acc[r], Ab[r][s], smem_desc(xt + (2 * kb + s) * 32));
-#endif
         }
       wgmma_commit();
 #pragma unroll
@@ -782,12 +722,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   // M = 64 measured 2% slower at K=4, mostly in a layer that does not split (code placement, we
   // think), so those kernels keep the per-element store and their code as before. The tall CTA's
   // split build (MT = 256) hoists too.
-  // KBIT_WG_DEV_STORE4_PER_ELEMENT builds the per-element store everywhere (A/B).
-#ifndef KBIT_WG_DEV_STORE4_PER_ELEMENT
   constexpr bool kHoisted = MT >= 128;
-#else
-  constexpr bool kHoisted = false;
-#endif
   // thread th's slab and first row tile, as `slab` and `pr0` at the top for th = tid
   const auto slab_of = [](int th) { return C::kTall ? ((th >> 5) & 1) : R > 1 ? ((th >> 5) & 3) : (th >> 5); };
   const auto pr0_of = [](int th) { return C::kTall ? 2 * (th >> 7) + ((th >> 6) & 1) : R > 1 ? 2 * (th >> 7) : 0; };
@@ -830,17 +765,6 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
       __stcg(sums + group * (kElems / 4) + E / 4, v);
     }
   };
-#ifdef KBIT_WG_DEV_SERIAL_REDUCE  // A/B only: the loop before batching (one remote load at a time)
-#pragma unroll 2
-  for (int E = e0 + 4 * tid; E < e1; E += 4 * kThreads) {
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int q = 0; q < csize; ++q) {  // rank order: deterministic
-      const float4 r = *reinterpret_cast<const float4*>(cluster.map_shared_rank(part, q) + E);
-      v.x += r.x; v.y += r.y; v.z += r.z; v.w += r.w;
-    }
-    finish(E, v);
-  }
-#else
   // A thread's elements are E = e0 + 4 tid + 4 kThreads j. Every rank's 16-byte load of EB of
   // them is issued before the first sum (ranks unrolled to RB >= csize: up to 16 loads in
   // flight), as the GEMV's final pass does for its ranks; one at a time, each remote load
@@ -879,7 +803,6 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   } else {
     reduce_slice(integral_constant<int, 16>{}, integral_constant<int, 1>{});
   }
-#endif
   if (p.groups > 1) {
     // Every consumer's part of the slice is stored before thread 0 moves the counter: the CTA
     // barrier, then thread 0's fence, a release that covers what the barrier ordered before it
