@@ -23,7 +23,7 @@ def cuda_extension():
         return [], {}
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;8.6;8.9;9.0a")
     archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu") + glob.glob("csrc/generated/*.cu"))
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/**/*.cu", recursive=True))
     if not sources:
         return [], {}
     # no -std flag: torch's BuildExtension adds the standard its headers need (C++17 or 20)

@@ -26,7 +26,7 @@
 #include <utility>
 #include <vector>
 
-#include "kbit_ops.h"
+#include "dispatch/launchers.h"
 
 namespace kbit {
 namespace {
@@ -192,7 +192,7 @@ GemmArgs check_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   return {x.size(0), n, k, to_dtype(x.scalar_type())};
 }
 
-#if __has_include("kbit_mma.cuh")
+#if __has_include("mma/mma_kernel.cuh")
 constexpr bool kHasMma = true;
 #else
 constexpr bool kHasMma = false;

@@ -8,7 +8,7 @@
 //     the device holds them, not as SMs / 4).
 #include <cstdio>
 
-#include "kbit_gemv_plan.h"
+#include "dispatch/gemv_plan.h"
 
 using namespace kbit;
 using namespace kbit::gemv;

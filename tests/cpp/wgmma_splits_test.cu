@@ -13,7 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "kbit_wgmma.cuh"
+#include "wgmma/wgmma_kernel.cuh"
 
 using namespace kbit;
 using namespace kbit::wg;

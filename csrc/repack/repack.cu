@@ -4,8 +4,8 @@
 // the neighbouring words read the same source words).
 #include <cstdint>
 
-#include "kbit_layout.cuh"
-#include "kbit_ops.h"
+#include "core/layout.cuh"
+#include "dispatch/launchers.h"
 
 namespace kbit {
 namespace {

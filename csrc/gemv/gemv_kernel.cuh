@@ -78,11 +78,11 @@
 #include <cooperative_groups.h>
 #endif
 
-#include "kbit_common.cuh"
-#include "kbit_decode.cuh"
-#include "kbit_gemv_plan.h"
-#include "kbit_layout.cuh"
-#include "kbit_ops.h"
+#include "core/common.cuh"
+#include "core/decode.cuh"
+#include "dispatch/gemv_plan.h"
+#include "core/layout.cuh"
+#include "dispatch/launchers.h"
 
 namespace kbit {
 namespace gemv {

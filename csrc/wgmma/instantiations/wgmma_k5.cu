@@ -1,5 +1,5 @@
 // wgmma instantiation for K = 5 bits (one small file per bit width, so they compile in parallel).
-#include "kbit_wgmma.cuh"
+#include "wgmma/wgmma_kernel.cuh"
 
 namespace kbit {
 namespace wg {

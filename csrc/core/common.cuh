@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "kbit_layout.cuh"
+#include "core/layout.cuh"
 
 namespace kbit {
 

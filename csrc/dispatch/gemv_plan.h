@@ -3,8 +3,8 @@
 // kbit_gemv.cu asks it). Host code with no CUDA runtime calls, so CI checks its choices
 // on a CPU machine (tests/cpp/gemv_plan_test.cu); the kernels it plans are kbit_gemv.cuh's.
 #pragma once
-#include "kbit_layout.cuh"
-#include "kbit_ops.h"
+#include "core/layout.cuh"
+#include "dispatch/launchers.h"
 
 namespace kbit {
 namespace gemv {

@@ -1,5 +1,5 @@
 // GEMV instantiation for K = 2 bits (one small file per bit width, so they compile in parallel).
-#include "kbit_gemv.cuh"
+#include "gemv/gemv_kernel.cuh"
 
 namespace kbit {
 namespace gemv {

@@ -3,8 +3,8 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "kbit_mma.cuh"
-#include "kbit_ops.h"
+#include "mma/mma_kernel.cuh"
+#include "dispatch/launchers.h"
 
 namespace kbit {
 namespace mma {

@@ -20,10 +20,10 @@
 // writes (the copy bandwidth, half reads, is 4.2 TB/s).
 #include <cstdint>
 
-#include "kbit_common.cuh"
-#include "kbit_decode.cuh"
-#include "kbit_layout.cuh"
-#include "kbit_ops.h"
+#include "core/common.cuh"
+#include "core/decode.cuh"
+#include "core/layout.cuh"
+#include "dispatch/launchers.h"
 
 namespace kbit {
 namespace {

@@ -3,8 +3,8 @@
 // (generated/gemv_k<B>.cu). See kbit_gemv.cuh for the kernel design.
 #include <cuda_runtime.h>
 
-#include "kbit_gemv.cuh"
-#include "kbit_ops.h"
+#include "gemv/gemv_kernel.cuh"
+#include "dispatch/launchers.h"
 
 namespace kbit {
 namespace gemv {

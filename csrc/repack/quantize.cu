@@ -9,9 +9,9 @@
 
 #include <cstdint>
 
-#include "kbit_layout.cuh"
-#include "kbit_common.cuh"
-#include "kbit_ops.h"
+#include "core/layout.cuh"
+#include "core/common.cuh"
+#include "dispatch/launchers.h"
 
 namespace kbit {
 namespace {

@@ -2,8 +2,8 @@
 // this build and device can run it, and the dispatch on bits to csrc/generated/wgmma_k*.cu.
 #include <cuda_runtime.h>
 
-#include "kbit_ops.h"
-#include "kbit_wgmma.cuh"
+#include "dispatch/launchers.h"
+#include "wgmma/wgmma_kernel.cuh"
 
 namespace kbit {
 namespace wg {

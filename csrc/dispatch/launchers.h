@@ -18,7 +18,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kbit_layout.cuh"
+#include "core/layout.cuh"
 
 namespace kbit {
 

@@ -60,10 +60,10 @@
 #include <cooperative_groups.h>
 #endif
 
-#include "kbit_common.cuh"
-#include "kbit_decode.cuh"
-#include "kbit_layout.cuh"
-#include "kbit_ops.h"
+#include "core/common.cuh"
+#include "core/decode.cuh"
+#include "core/layout.cuh"
+#include "dispatch/launchers.h"
 
 // wgmma exists only in arch-specific sm_90a code; every other target compiles a trap body and
 // the host never launches it there (wgmma_supported in kbit_wgmma.cu).

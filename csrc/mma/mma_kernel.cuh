@@ -52,10 +52,10 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kbit_common.cuh"
-#include "kbit_decode.cuh"
-#include "kbit_layout.cuh"
-#include "kbit_ops.h"
+#include "core/common.cuh"
+#include "core/decode.cuh"
+#include "core/layout.cuh"
+#include "dispatch/launchers.h"
 
 namespace kbit {
 namespace mma {

@@ -23,8 +23,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "kbit_common.cuh"
-#include "kbit_layout.cuh"
+#include "core/common.cuh"
+#include "core/layout.cuh"
 
 namespace kbit {
 
