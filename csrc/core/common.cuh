@@ -11,7 +11,7 @@
 
 namespace kbit {
 
-// E4M4 code -> float, exact and independent of fast-math: decode_e4m4 in kbit_layout.cuh
+// E4M4 code -> float, exact and independent of fast-math: decode_e4m4 in core/layout.cuh
 // divides by a power of two, which --use_fast_math may turn into an approximate reciprocal.
 // Normal codes are assembled as IEEE bits (exponent e - 11 + 127, mantissa m << 19);
 // subnormals are m * 2^-14, a multiplication by a power of two (exact, result normal).
@@ -38,7 +38,7 @@ struct StreamParams {
   int chunk;                 // K-units per split (the K range of one CTA)
   bool pdl;                  // launched with programmatic dependent launch (use_pdl())
   bool trigger;              // allow_dependents() once the main loop is done (pdl_trigger())
-  // wgmma only: split-K over `groups` clusters reduced through a global workspace (kbit_wgmma.cuh)
+  // wgmma only: split-K over `groups` clusters reduced through a global workspace (wgmma_kernel.cuh)
   int groups = 1;
   int* counters = nullptr;   // [tile][cluster rank] arrivals: zero before a launch and after it
   float4* partial = nullptr; // [tile][group][tile elements / 4] the clusters' sums
@@ -104,7 +104,7 @@ __device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
   return r;
 }
 
-// One lane's share of a 64x64 unit of the tiled layout (kbit_layout.cuh): its 16 bytes of each
+// One lane's share of a 64x64 unit of the tiled layout (core/layout.cuh): its 16 bytes of each
 // bit-plane and the 16 absmax codes of its column group (the 4 lanes of a group read the same
 // bytes: one broadcast), by streaming 16-byte loads. The GEMV and the dequantize kernel read
 // units this way.
@@ -128,7 +128,7 @@ __device__ __forceinline__ uint32_t shfl_lut(uint32_t table, uint32_t lane_bits)
   return r;
 }
 
-// 32-bit shared-window load. The pair-table lookups (kbit_decode.cuh) use it with an address
+// 32-bit shared-window load. The pair-table lookups (core/decode.cuh) use it with an address
 // computed as (lane's replica base) + (entry << kRowShift), one LEA, or with wide rows as one
 // PRMT; given a plain C++ index the compiler rebuilds ((entry << 5) | lane) * 4 + base, which
 // costs three integer ops instead of one.
@@ -216,7 +216,7 @@ template <typename Kernel> bool max_active_clusters(Kernel kernel, int s, int th
   return cudaOccupancyMaxActiveClusters(n, kernel, &cfg) == cudaSuccess;
 }
 
-// Programmatic dependent launch (sm_90; use_pdl in kbit_ops.h). The GEMM kernels are launched with
+// Programmatic dependent launch (sm_90; use_pdl in dispatch/launchers.h). The GEMM kernels are launched with
 // cudaLaunchAttributeProgrammaticStreamSerialization, so their CTAs may be scheduled (shared
 // memory and registers allocated, launch latency paid) while the previous kernel on the stream
 // drains. This wait, the first thing those kernels do, blocks until that kernel has completed

@@ -1,6 +1,6 @@
 // Codebook decode of the tiled layout into tensor-core operand registers, shared by the GEMV
 // (mma.sync) and the wgmma kernel (torch-free). Both use W as the A operand (Y^T = W X^T):
-// a lane's 16 bytes per bit-plane (kbit_layout.cuh) are the A fragments of the four m16 row
+// a lane's 16 bytes per bit-plane (core/layout.cuh) are the A fragments of the four m16 row
 // tiles of a 64-column unit, two 32-blocks deep.
 //
 // The decoder pairs elements so that one table lookup yields one 32-bit operand register
@@ -8,7 +8,7 @@
 // of the layout byte, K=2 pairs (e, e+2). Because an MMA sums over k in any order, the GEMV
 // permutes its x operand to match (PRMT on x registers; the table below says how). The wgmma
 // kernel takes x as stored (a TMA box) and regroups the decoded pairs into the natural order
-// instead (a PRMT a register, kbit_wgmma.cuh decode_row_tile), or at K=5, whose pairs are two
+// instead (a PRMT a register, wgmma_kernel.cuh decode_row_tile), or at K=5, whose pairs are two
 // shuffled values joined by one PRMT anyway, joins (e, e+1) directly (Decoder::natural_pair).
 //
 // Operand-register slots of one k16 step (m16n8k16 / wgmma A and B fragments, t = lane % 4):
@@ -81,7 +81,7 @@ __device__ __forceinline__ uint32_t init_codebook(const float* codebook, float m
 
 // Half2 of the E4M4 scale of column q (byte q of `codes`) in the operand type, without the
 // format's constant (for kernels that scale the weights before the MMA): fp16 bits (code << 6) are E4M4 / 16, bf16 bits (code << 3) E4M4 / 2^116
-// (exact, subnormals included; kbit_layout.cuh). The codebook carries the constant instead.
+// (exact, subnormals included; core/layout.cuh). The codebook carries the constant instead.
 template <typename T> __device__ __forceinline__ uint32_t scale2(uint32_t codes, int q) {
   const uint32_t c2 = prmt(codes, 0u, 0x4040u | uint32_t(q) | (uint32_t(q) << 8));  // code | code << 16
   return std::is_same<T, __half>::value ? c2 << 6 : c2 << 3;
@@ -101,7 +101,7 @@ __device__ __forceinline__ uint32_t comp(const uint4& v, int i) {
 // Nibble word N_s (s = 0..3) of one lane's word position: nibble m holds the low (up to 4)
 // index bits of the element at bit 4m + s of the plane words (bit 4m + b of N_s = bit 4m + s
 // of plane b: a transpose of 4x4 bit blocks, 2 ops per plane). The tiled layout stores them
-// (kbit_layout.cuh, slot_form): a register move at K = 4, 5, one AND at K=3 (N_3: five ops);
+// (core/layout.cuh, slot_form): a register move at K = 4, 5, one AND at K=3 (N_3: five ops);
 // only K=2 keeps planes and transposes here (its Decoder reads crumbs instead).
 template <int BITS>
 __device__ __forceinline__ uint32_t transpose_nibbles(const uint32_t (&p)[BITS], int s) {
@@ -199,7 +199,7 @@ template <int BITS, typename T, bool kWideLut = false> struct Decoder {
   // the 32-block. pair() joins elements (e, e + 4) of the byte, i.e. k and k + 16, which the
   // wgmma kernel must regroup (a PRMT a register); joining (e, e + 1) instead costs the same two
   // shuffles and one PRMT. (K=3,4 would have to rebuild their nibble words for it, two ops a
-  // word: measured no faster, docs/MMA.md.)
+  // word, which measured no faster.)
   __device__ __forceinline__ uint32_t natural_pair(int q, int j, uint32_t table) const {
     static_assert(BITS == 5, "byte-field words only");
     const int w = 4 * (j >> 1) + 2 * (j & 1);  // E_2i (elements e < 4) or O_2i (e + 4)

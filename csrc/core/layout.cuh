@@ -10,7 +10,7 @@
 // vector. So:
 //   * every lane loads its own fragment data with 16-byte loads, a warp reads 512 contiguous
 //     bytes per plane (coalesced from global, conflict-free from shared memory), no lane
-//     needs another lane's data, and nothing is re-shuffled in shared memory (seed 001/002);
+//     needs another lane's data, and nothing is re-shuffled in shared memory;
 //   * the same unit serves the GEMV: a warp streams the units of one 64-column slab along K,
 //     and each lane's 8 elements per (column, block) meet 8 x values it keeps in registers.
 //
@@ -34,7 +34,7 @@
 // byte q. K=4: slots 0..3 hold N_0..N_3. K=5: N_0..N_3 of planes 0..3, then plane 4 as is.
 // K=3: three slots for four nibble words of three bits each: slot b holds N_b in bits 4m..4m+2
 // and bit 4m + b of N_3 in bit 4m + 3. Same bytes per unit; the kernels skip most of the
-// transpose the planes would need (~1 integer op per weight: K=4's GEMVs at M = 1 took 14% less
+// transpose the planes would need (~1 integer op per weight).
 // time with it).
 // The absmax byte at [g][w][q] is the E4M4 code of (column c, block kb): the four lanes of
 // one g read the same 16 bytes, which the memory system serves as one broadcast.

@@ -1,20 +1,16 @@
 // Small-M kbit GEMM ("GEMV" path, 1 <= M <= 16): y[M, N] = x[M, K] @ dequant(W)^T (+ bias).
-// Torch-free; instantiated once per bit width in csrc/generated/gemv_k{2,3,4,5}.cu.
+// Torch-free; instantiated once per bit width in gemv/instantiations/gemv_k<BITS>.cu, planned by
+// dispatch/gemv_plan.h. docs/DESIGN.md describes the design, docs/PERFORMANCE.md its measurements.
 //
-// Design (the numbers are the H200's; see benchmarks/bench_gemm.py):
-//   * Memory bound in principle: at K=4 the weights are 0.53 B per weight, so 85% of the
-//     4.25 TB/s copy bandwidth is ~26 weights / clock / SM at 1.98 GHz (the SM clock measured
-//     under this load is 1.72 GHz, which makes it ~30), i.e. ~4 thread-instructions per weight
-//     for everything. Measured (ncu, 57344x8192, K=4, M=1): ~430 warp-instructions per 64x64
-//     unit (3.4 / weight), 0.71 issued / scheduler / clock, DRAM at 56-62%: the kernel was
-//     issue-bound (integer pipe: transpose + table addressing), not bandwidth-bound; K=4's
-//     layout now stores the transposed words (~1/4 of those instructions gone).
-//   * Work: a warp streams the 64x64 units (kbit_layout.cuh) of one 64-column slab along K,
-//     16-byte loads, a few units in flight in registers. A CTA (8 warps, or 16 where the grid
-//     has at most one CTA per SM) owns one slab and a
-//     K range (its warps interleave over the units); a cluster of S CTAs (sm_90) splits K
-//     further and reduces through distributed shared memory, in a fixed order: deterministic,
-//     no global workspace, no memset, one launch (CUDA-graph safe).
+//   * Memory bound in principle (at K=4 a weight is 0.53 B), so the budget is a few
+//     thread-instructions per weight for everything: load, decode, multiply, reduce. The decode
+//     is what it spends them on, so the layout does what it can ahead of time (K = 3..5 store
+//     nibble words, so the bit-matrix transpose is mostly a register move).
+//   * Work: a warp streams the 64x64 units (core/layout.cuh) of one 64-column slab along K,
+//     16-byte loads, a few units in flight in registers. A CTA owns one slab (or G slabs with x
+//     resident) and a K range (its warps interleave over the units); a cluster of S CTAs (sm_90)
+//     splits K further and reduces through distributed shared memory, in a fixed order:
+//     deterministic, no global workspace, no memset, one launch (CUDA-graph safe).
 //   * Multiply on the tensor cores even at M = 1: W is the A operand (m16 = two n8 column
 //     groups, exactly the bytes a lane holds in the layout) and x^T the B operand (n8 = up to
 //     8 rows of x; a second n8 tile for M <= 16). So the cost per weight is the decode alone
@@ -22,52 +18,21 @@
 //     or, in fp32, a fresh accumulator holding the block's two k16 steps (the D fragment rows
 //     are the columns the lane's absmax bytes describe): per bit width and M, scale_weights.
 //   * Decode, per 32 elements (one word of each bit-plane):
-//       K=2: 2 planes -> two words of 2-bit fields (4 ops); every nibble is a PAIR of indices,
-//            looked up with one shuffle in a 16-entry half2 pair table held by the lanes.
-//       K=3,4: planes -> 4 "nibble" words (bit-matrix transpose, ~28 ops; K=4's layout stores
-//            them, kbit_layout.cuh, so there it is a register move); every byte is a
-//            pair of indices, looked up in a 256-entry (128 for K=3) half2 pair table in
-//            shared memory, replicated 32x so lane l always hits bank l (conflict-free). A CTA
-//            alone on its SM lays the rows 256 B apart from a 64 KB-aligned address, so one
-//            PRMT forms the lookup address (8B decode step at M = 1: 1666 -> 1634 us, same call).
+//       K=2: 2 planes -> two words of 2-bit fields; every nibble is a PAIR of indices, looked
+//            up with one shuffle in a 16-entry half2 pair table held by the lanes.
+//       K=3,4: nibble words (stored so by the layout); every byte is a pair of indices, looked
+//            up in a 256-entry (128 for K=3) half2 pair table in shared memory, replicated 32x
+//            so lane l always hits bank l (conflict-free). A CTA alone on its SM lays the rows
+//            256 B apart from a 64 KB-aligned address, so one PRMT forms the lookup address.
 //       K=5: as K=4 plus the 5th plane merged into byte-wide fields; single-value shuffle
 //            lookups (32-entry table = 32 lanes) and one PRMT per pair.
 //     A pair always holds two elements of one column and one block; since the MMA sums over
 //     k in any order, x is permuted to match (PRMT of the 32-bit x loads), never W.
-//   * E4M4 absmax: fp16 bits (code << 6) == E4M4(code) / 16 exactly (kbit_layout.cuh), two
+//   * E4M4 absmax: fp16 bits (code << 6) == E4M4(code) / 16 exactly (core/layout.cuh), two
 //     codes per shift; the 16 is applied once in the epilogue, or folded into the codebook
-//     where the weights are scaled (scale2 / codebook_mult, kbit_decode.cuh).
-//
-// Where it stands (benchmarks/results, H200, ce7f8ad): K=4, M=1 at 0.66-0.91x Marlin g128's time
-// on the six benchmark shapes (L2 flushed, up to 72% of the copy bandwidth); the GEMMs of an 8B
-// decode step in one CUDA graph take 1608 us at M=1 against Marlin's 2149 (bench_decode.py). What
-// got it there: K=4's layout stores the nibble words (no transpose here), 16-warp CTAs where
-// the grid has at most one CTA per SM, one-wave split-K, 4-warp CTAs where the slabs fit four
-// per SM (28672x4096: 24.7 -> 23.3 us in the graph). At 8 < M <= 16 every layer stays here
-// (kbit_ops.h), x staged in shared memory (kXRowBytes) by 16-warp or four 4-warp CTAs per SM,
-// and since the fourteenth session resident for the CTA's whole K range in CTAs of 2, 4 or 16 slabs
-// where the plan's model says so (kXrSlabs; 28672x4096 and larger): 28672x4096 at M = 16 37.8 ->
-// 32.0 us (28.8 since the fifteenth session: G = 16 in clusters of four at K = 4, 5), the 8B step
-// at M = 12 / 16 K=4 2323 / 2435 -> 2191 / 2255 us (K=2 -5%, K=3 -7%, K=5 -2%), 128256x4096 (an
-// lm_head) 152 -> 112 us, 57344x8192 124 -> 112 us; at M <= 8 for the layers where the model clears
-// a 10% margin (kbit_gemv_plan.h: 28672x4096 from M = 6, the larger ones from M = 1 or 2): M = 8 step
-// 2053 -> 1964 us, 128256x4096 at M = 1 99.7 -> 88.0 us.
-// Next: the ~5 us fixed cost per call on the small layers (a per-CTA trace, docs/MMA.md: launch
-// gap < 1 us, table ~0.5, reduction 1-3); M = 9..16 at one unit in
-// flight per warp (two stages fit 128 registers). 28672x4096's CTAs end up to 5.5 / 10.4 us apart
-// (M = 1 / 16); spreading its 448 slabs' units evenly over the SMs, whole or only the 52 left
-// over, through a workspace, was correct and slower (docs/probes/gemv_balanced_*, _tail_split_*).
-// Tried and not adopted (same-run A/B, H200): issuing the first unit loads before building the
-// codebook table, at every M (2b7449f's predecessor: +0.5-1.5% at M = 1, 4, -2-5% at M = 16)
-// and at M <= 8 only (decode step at M = 1, 4, 8: within +-1%, 2% slower at M = 8); at 8 < M <= 16,
-// deeper unit streams through fewer warps (a probe build: 12 warps x 3 stages at 168 registers,
-// 8 warps x 4 stages), so more bytes in flight per SM: the 8B decode step at M = 16, K = 2..5 took
-// 2178 / 2385 / 2384 / 3345 and 2247 / 2473 / 2482 / 3450 us against 16 warps' 2115 / 2342 /
-// 2410 / 3228 (bench_decode.py --ms 12,16 --bits 2,3,4,5 --per-shape --no-baselines, one call,
-// 8e153d2): the M = 16 kernel is not waiting on DRAM; nor was it helped by L2 bulk prefetches of
-// the weights 2-8 units ahead, or by CTAs of two slabs whose warp pairs share x tiles (30-37%
-// slower; docs/MMA.md, Next, has the probe table: x costs ~20% of the M = 16 step, the scale
-// FFMAs 11%).
+//     where the weights are scaled (scale2 / codebook_mult, core/decode.cuh).
+//   * 8 < M <= 16: x reaches the MMA through shared memory (a per-warp ring, or resident for
+//     the CTA's whole K range in CTAs of several slabs), so 16 warps fit an SM.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -91,52 +56,33 @@ namespace gemv {
 template <int MT, int W> constexpr int min_blocks() { return W == kNarrowWarps ? 4 : MT > 1 ? 1 : W == kWarps ? 2 : 1; }
 constexpr int kPairsPerLane = 4;          // m16 column-group pairs per unit (8 n8 groups / 2)
 
-using Params = StreamParams;  // kbit_common.cuh
+using Params = StreamParams;  // core/common.cuh
 
-// Per bit width: how many units a warp keeps in flight (the table: PairTable, kbit_decode.cuh).
+// Per bit width: how many units a warp keeps in flight (the table: PairTable, core/decode.cuh).
 template <int BITS> struct Traits : PairTable<BITS> {
   // register stages: stages - 1 units in flight per warp while one is decoded (16 warps/SM)
   static constexpr int kStages = BITS == 5 ? 2 : 3;
 };
 
-// 8 < M <= 16 (two n8 tiles of x): x reaches the MMA through shared memory, in 16-warp CTAs.
-// Read straight into B-fragment registers, a lane's x words are 32-bit loads from eight rows,
-// eight L1 wavefronts each: twice the L1 traffic of the weights and lookups together, and 48
-// registers of x stages (ncu, 57344x8192, M = 16: L1 at 79% of peak, DRAM at 34%, 215
-// registers, so 8 warps per SM). Instead each warp copies its unit's 16 x 64 x tile with
-// 16-byte cp.async (four rows per instruction) into a ring slot of its own and reads the B
-// fragments with one ldmatrix.x4 per n8 tile and block. That fits 128 registers with two
-// stages (one unit in flight per warp while one decodes), so 16 warps per SM (one 16-warp or
-// four 4-warp CTAs, kbit_gemv_plan.h): 8B decode step at M = 16 0.87-0.94x the time at K = 2..5
-// (L1 52%, DRAM 42%). Rows are padded to kXRowBytes so the eight rows of an ldmatrix phase hit
-// eight different 16-byte bank groups.
-// KBIT_GEMV_XSMEM=0 (read once) takes the 8-warp register kernel instead wherever the plan
-// does not make x resident (below; KBIT_GEMV_XRES=0 for every layer), as do devices whose
-// CTAs cannot have the ring (sm_86 / sm_89: 99 KB).
+// 8 < M <= 16 (two n8 tiles of x): x reaches the MMA through shared memory. Read straight into
+// B-fragment registers, a lane's x words are 32-bit loads from eight rows: twice the L1 traffic
+// of the weights and lookups together, and too many registers for 16 warps per SM. Instead each
+// warp copies its unit's 16 x 64 x tile with 16-byte cp.async into a ring slot of its own and
+// reads the B fragments with one ldmatrix.x4 per n8 tile and block: two stages fit 128
+// registers, so 16 warps per SM (one 16-warp or four 4-warp CTAs). Rows are padded to kXRowBytes
+// so the eight rows of an ldmatrix phase hit eight different 16-byte bank groups. Devices whose
+// CTAs cannot have the ring (sm_86 / sm_89: 99 KB) run the 8-warp register kernel (as does the
+// plan override gemv.x_smem=0).
 constexpr int kXRowBytes = 144;
 constexpr int kXSmemStages = 2;
 
 // Where the E4M4 block scales are applied (compute_stage): on the decoded weights (HMUL2 per
 // pair, the MMAs accumulate in place) or in fp32 on each block's MMA result (FFMA per output:
 // 4 per n8 tile of x and pair of columns, as many as the HMUL2 at 8 < M <= 16, half at M <= 8).
-// Same instruction count at M > 8, shorter chains (no fresh accumulator per block). Measured,
-// 8B decode step, three builds alternated twice in one call (H200, 44b970e + this,
-// bench_decode_gemv_scalew_ab.json), weights everywhere / at M > 8 / nowhere, us:
-//   M = 16: K=2 2004 / 2008 / 2033, K=3 2323 / 2320 / 2254, K=4 2236 / 2235 / 2271, K=5 3143 / 3136 / 3222
-//   M = 1:  K=2 1458 / 1486 / 1490, K=3 1821 / 1774 / 1776, K=4 1708 / 1636 / 1647, K=5 2579 / 2593 / 2597
-// So on the weights at M > 8, and at M <= 8 for K=2 only (its shuffle lookups leave the FMA
-// pipe idle; K=4 lost 4% there). K=3 at M > 8 lost 3% then (its wide-row table kernel), and
-// gains now (twenty-third session, its layers in the ring and 15-slab kernels since): with the
-// direct partial sums below, the 8B step at M = 12 / 16 1915 / 1956 against 1946 / 1979 us
-// (qkv -2%, down -3 / -1%, gate_up -2 / -1%; H200, alternated twice in one call against
-// the plan before, bench_decode_gemv_k3_scalew_f169810.json).
-// KBIT_GEMV_DEV_SCALEW (probe builds): 0 = fp32 everywhere, 1 = at M > 8, 2 = weights everywhere.
-// kOneWarpSlab: x-resident CTAs of one warp a slab (15 / 16 slabs). At K=4 those scale the
-// weights at M <= 8 too: 8B gate_up at M = 6 / 8 21.9 / 22.1 against 24.6 / 24.7 us (the step
-// 1732 / 1790 against 1814 / 1873), 57344x8192 at M = 4 / 8 81.9 / 82.5 against 85.1 / 85.8,
-// 128256x4096 at M = 1..8 -2% (H200, alternated twice in one call against
-// -DKBIT_GEMV_DEV_NO_K4XR_SCALEW, bench_decode_gemv_k4_xr_scalew_25dd9fc.json). Every M <= 8
-// kernel on the weights (-DKBIT_GEMV_DEV_SCALEW=2, same file) made the others 1-3% slower.
+// Same instruction count at M > 8, shorter chains (no fresh accumulator per block): on the
+// weights at M > 8, and at M <= 8 for K=2 (its shuffle lookups leave the FMA pipe idle) and for
+// K=4 in the one-warp-a-slab x-resident CTAs (kOneWarpSlab: 15 / 16 slabs). Every other choice
+// measured slower (docs/PERFORMANCE.md).
 template <int BITS, int MT, bool kOneWarpSlab = false> constexpr bool scale_weights() {
   return MT == 2 || BITS == 2 || (kOneWarpSlab && BITS == 4);
 }
@@ -271,12 +217,9 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
 // per pair (Decoder), for up to 64 KB of padding and twice the table, which only a CTA alone
 // on its SM can spare, and only where the device lets one CTA have that much (launch_alone):
 // sm_90 (227 KB) always; sm_80 (163 KB) at M <= 8 (100-133 KB); sm_86 / sm_89 (99 KB) never.
-// Not the K=4 16-warp kernel with the x ring (M > 8): 8B decode step at M = 12 / 16, wide
-// against packed (KBIT_GEMV_WIDE_LUT=0), same call, H200, c07121f: K=4 2359 / 2417 against
-// 2301 / 2359 us, K=3 2326 / 2331 against 2363 / 2366.
-// KBIT_GEMV_WIDE_LUT=0 (read once) takes the packed table everywhere (A/B).
-// (Measured again at aa0a655, the same way: K=4 down 18.1 against 17.1 us at M = 12, the step
-// +2%.) The x-resident kernels do take the wide rows (launch_xr).
+// Not the K=4 16-warp kernel with the x ring (M > 8), where it measured slower. The x-resident
+// kernels take the wide rows too (launch_xr). The plan override gemv.wide_table=0 takes the
+// packed table everywhere (same bits).
 template <int BITS, int MT, int W> constexpr bool wide_lut() {
   return Traits<BITS>::kLutEntries > 0 && min_blocks<MT, W>() == 1 && kLutReplicas == 32 &&
          !(BITS == 4 && MT == 2 && W == kWideWarps);
@@ -304,8 +247,8 @@ template <typename S> bool device_fits() {
 
 // Register (kXs: ring) stages of a warp's unit stream.
 // x resident at M <= 8 keeps the register kernels' depth (its stages hold no x, as the ring's).
-// At M > 8 a third stage fits the resident kernels' 128 registers (4-8 B of spills) and was
-// slower: 28672x4096 at M = 16 32.5 -> 34.6 us, the 8B step +2% (K=4, same call as scale_weights).
+// At M > 8 a third stage would fit the resident kernels' 128 registers with a few spills, and
+// measured slower.
 template <int BITS, bool kXs, int MT = 2, int G = 0> constexpr int stages() {
   return kXs && !(G > 0 && MT == 1) ? kXSmemStages : Traits<BITS>::kStages;
 }
@@ -357,7 +300,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   const int ku_begin = split * p.chunk;
   const int ku_end = min(p.ku_count, ku_begin + p.chunk);
 
-  wait_prior_grids();  // programmatic dependent launch (kbit_common.cuh)
+  wait_prior_grids();  // programmatic dependent launch (core/common.cuh)
   const uint32_t xbase = lut_base + S::kPart;  // the ring, or the resident x rows
   if constexpr (G > 0) {
     // the K range's x rows, one cp.async group before the table: 16-byte chunk c of unit u is
@@ -374,7 +317,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   const uint32_t table = init_codebook<BITS, T, kWide>(p.codebook, kScaleW ? codebook_mult<T>() : 1.0f, smem, threadIdx.x, kThreads);
   if constexpr (Traits<BITS>::kLutEntries > 0) __syncthreads();
   // entry v of replica r is the word 32 v + r (bank r), 64 v + r with wide rows; lane l reads
-  // replica l % kLutReplicas. Wide rows: the PRMT key (kbit_decode.cuh, Decoder::pair).
+  // replica l % kLutReplicas. Wide rows: the PRMT key (core/decode.cuh, Decoder::pair).
   const uint32_t lut_addr = opaque(kWide ? (lut_base & 0xFFFF0000u) | (4u * lane) : lut_base + 4u * (lane % kLutReplicas));
 
   float acc[kPairsPerLane][MT][4];
@@ -446,7 +389,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   // ---- reduce: warps of the CTA through shared memory, then the CTAs of the cluster through
   // distributed shared memory; every sum runs in a fixed order (deterministic).
   __syncthreads();  // the table region (and, x resident, the x rows under `part`) is reused below
-  // every warp is past its loads (the bias is a weight); M <= 8 only (pdl_trigger, kbit_ops.h)
+  // every warp is past its loads (the bias is a weight); M <= 8 only (use_pdl_trigger, dispatch/launchers.h)
   if constexpr (MT == 1) {
     if (p.trigger) allow_dependents();
   }
@@ -456,13 +399,9 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   constexpr int kElems = kSlabs * kAcc * 32;
   constexpr bool kDirect = kOneWarpSlab && (BITS != 3 || MT == 2);
   // One warp a slab (the 15- and 16-slab CTAs): its accumulators are the slab's sums, so they
-  // go straight to `part`, in the layout the pass below would copy them to: 8B gate_up at
-  // M = 12 / 16 2.0-2.3% faster at K=4, 1.0-1.3% at K=5, the step 0.7-0.9% / 0.5-0.9% (H200,
-  // alternated twice in one call against -DKBIT_GEMV_DEV_RED_COPY, bench_decode_gemv_direct_part_2396a0e.json).
-  // Not K=3 at M <= 8: there the same change rescheduled the main loop (same instructions,
-  // other order) and its 15-slab CTAs took 1.10-1.14x the time (-DKBIT_GEMV_DEV_DIRECT_ALL);
-  // at M > 8 it cost as much with the fp32 scales and gains 1-2% with the scaled weights
-  // (scale_weights; bench_decode_gemv_k3_scalew_f169810.json).
+  // go straight to `part`, in the layout the pass below would copy them to. Not K=3 at M <= 8:
+  // there the same change rescheduled the main loop (same instructions, other order) and
+  // measured slower.
   float* const dst = kDirect ? part : red;
 #pragma unroll
   for (int i = 0; i < kPairsPerLane; ++i)
@@ -473,9 +412,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   if constexpr (!kDirect) {
     __syncthreads();
     // four elements (one register i, four lanes) per thread, 16-byte loads and store, the sums in
-    // the same order: the 8B decode step at M = 16 0.4-1.3% faster than with one element a thread
-    // (K = 2..5; at M = 1 from 1.0% faster to 0.2% slower; H200, alternated twice in one call,
-    // bench_decode_gemv_vec_sum_ab.json)
+    // the same order as one element a thread would take
     for (int e = 4 * threadIdx.x; e < kElems; e += 4 * kThreads) {
       const float* r = red + e + (e / (kAcc * 32)) * (kWarps - 1) * kAcc * 32;
       float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -501,12 +438,8 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
   // CTA `split` of the cluster finishes elements [e0, e1) of the slabs' kElems, four
   // at a time: lanes 4c..4c+3 of one accumulator register i, i.e. one column and rows
   // 8 mt + (j & 1) + {0, 2, 4, 6}. Every rank's 16-byte load is issued before the first sum
-  // (ranks unrolled to kMaxSplits, to which launch_gemv clamps S). One element and one rank at
-  // a time, each remote load waited out its latency before the next: 28672x4096 at M = 12 / 16
-  // (16 slabs a CTA, clusters of four: 32 loads a thread) took 26.5 / 26.7 us against 25.5 /
-  // 25.7 now, the 8B decode step at K = 2..5 0.9-1.7% longer at M = 12 / 16, 0.3-0.8% at M = 1
-  // (H200, both alternated twice in one call, bench_decode_gemv_cluster_final_pass_ab.json).
-  // The sums run in the same order as before (rank 0, 1, ...).
+  // (ranks unrolled to kMaxSplits, to which the plan clamps S), so the remote loads overlap
+  // instead of each waiting out its latency. The sums run in rank order (deterministic).
   const int per = div_up(div_up(kElems, splits), 4) * 4;
   const int e0 = split * per, e1 = min(kElems, e0 + per);
   const T* bias = static_cast<const T*>(p.bias);
@@ -583,79 +516,77 @@ cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-// One CTA-per-SM configuration, with the wide-row table where it applies and the device has
-// the shared memory for it, unless KBIT_GEMV_WIDE_LUT=0.
+// One CTA-per-SM configuration, with the wide-row table where it applies, the plan allows it
+// and the device has the shared memory for it.
 template <int BITS, int MT, typename T, int W, bool kXs = false>
-cudaError_t launch_alone(const Params& p, int splits, cudaStream_t stream) {
+cudaError_t launch_alone(const Params& p, int splits, bool wide_table, cudaStream_t stream) {
   if constexpr (wide_lut<BITS, MT, W>()) {
-    static const bool wide_off = env_off("KBIT_GEMV_WIDE_LUT");
-    if (!wide_off && device_fits<Smem<BITS, MT, W, true, kXs>>())
+    if (wide_table && device_fits<Smem<BITS, MT, W, true, kXs>>())
       return launch_t<BITS, MT, T, W, true, kXs>(p, splits, stream);
   }
   return launch_t<BITS, MT, T, W, false, kXs>(p, splits, stream);
 }
 
 // x resident: 16-warp CTAs of G slabs (one of kXrSlabs), or 15-warp CTAs of 15 (kXrFillSlabs).
-// K=3,4 with 4, 15 or 16 slabs read the wide-row table where the CTA's K range fits beside it (Smem::kXrUnits: 44 units at M > 8, 88
-// at M <= 8, against 72 / 144 with the packed table). Against the packed table
-// (KBIT_GEMV_XR_WIDE=0, which keeps it here alone; alternated twice in one call, H200,
-// bench_gemv_xr_wide_aa0a655.json): the 8B decode step at K=4 M = 12 / 16 2035 / 2053 against
-// 2104 / 2118 us (gate_up: 16 slabs, 16 units a CTA, 26.9 / 27.0 against 28.8 / 29.0), at K=3
-// M = 6 / 8 -2..-3%; single kernels at K=4 M = 16 -5..-7% on 18944x3584, 22016x4096,
-// 27648x5120, 28672x4096, 37888x3584; K=3 128256x4096 at M = 1 77.4 against 84.1 us; nothing
-// slower beyond 1%. KBIT_GEMV_WIDE_LUT=0 keeps the packed table too (everywhere; same bits).
+// K=3,4 with 4, 15 or 16 slabs read the wide-row table where the CTA's K range fits beside it
+// (Smem::kXrUnits: 44 units at M > 8, 88 at M <= 8, against 72 / 144 with the packed table)
+// and the plan allows it (`wide_table`).
 template <int BITS, int MT, typename T, int G>
-cudaError_t launch_xr_g(const Params& p, int splits, cudaStream_t stream) {
+cudaError_t launch_xr_g(const Params& p, int splits, bool wide_table, cudaStream_t stream) {
   constexpr int W = xr_warps(G);
   if constexpr (Traits<BITS>::kLutEntries > 0 && G != 2) {  // (G = 2 with the wide rows: not measured)
     using Wide = Smem<BITS, MT, W, true, true, G>;
-    static const bool wide = !env_off("KBIT_GEMV_XR_WIDE") && !env_off("KBIT_GEMV_WIDE_LUT");
-    if (wide && p.chunk <= Wide::kXrUnits && device_fits<Wide>())
+    if (wide_table && p.chunk <= Wide::kXrUnits && device_fits<Wide>())
       return launch_t<BITS, MT, T, W, true, true, G>(p, splits, stream);
   }
   return launch_t<BITS, MT, T, W, false, true, G>(p, splits, stream);
 }
 
 template <int BITS, int MT, typename T>
-cudaError_t launch_xr(const Params& p, int splits, int slabs, cudaStream_t stream) {
+cudaError_t launch_xr(const Params& p, int splits, int slabs, bool wide_table, cudaStream_t stream) {
   switch (slabs) {
-    case 2: return launch_xr_g<BITS, MT, T, 2>(p, splits, stream);
-    case 4: return launch_xr_g<BITS, MT, T, 4>(p, splits, stream);
-    case kXrFillSlabs: return launch_xr_g<BITS, MT, T, kXrFillSlabs>(p, splits, stream);
-    case 16: return launch_xr_g<BITS, MT, T, 16>(p, splits, stream);
+    case 2: return launch_xr_g<BITS, MT, T, 2>(p, splits, wide_table, stream);
+    case 4: return launch_xr_g<BITS, MT, T, 4>(p, splits, wide_table, stream);
+    case kXrFillSlabs: return launch_xr_g<BITS, MT, T, kXrFillSlabs>(p, splits, wide_table, stream);
+    case 16: return launch_xr_g<BITS, MT, T, 16>(p, splits, wide_table, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 template <int BITS, typename T>
-cudaError_t launch_dt(const Params& p, int splits, int warps, int slabs, cudaStream_t stream) {
-  if (slabs > 0)  // x resident (the plan checked the device for it)
-    return p.m > kGemvOneTileM ? launch_xr<BITS, 2, T>(p, splits, slabs, stream) : launch_xr<BITS, 1, T>(p, splits, slabs, stream);
+cudaError_t launch_dt(const Params& p, const GemvPlan& pl, cudaStream_t stream) {
+  const int splits = pl.splits, warps = pl.warps;
+  if (pl.slabs > 0)  // x resident (the plan checked the device for it)
+    return p.m > kGemvOneTileM ? launch_xr<BITS, 2, T>(p, splits, pl.slabs, pl.wide_table, stream)
+                               : launch_xr<BITS, 1, T>(p, splits, pl.slabs, pl.wide_table, stream);
   if (p.m > kGemvOneTileM) {
     // 16 (or 4, four per SM) warps with x through shared memory where the device lets a CTA
     // have the ring, else the 8-warp register kernel
-    static const bool x_regs = env_off("KBIT_GEMV_XSMEM");
-    if (!x_regs && device_fits<Smem<BITS, 2, kWideWarps, false, true>>()) {
+    if (pl.x_smem && device_fits<Smem<BITS, 2, kWideWarps, false, true>>()) {
       if (warps == kNarrowWarps) return launch_t<BITS, 2, T, kNarrowWarps, false, true>(p, splits, stream);
-      return launch_alone<BITS, 2, T, kWideWarps, true>(p, splits, stream);
+      return launch_alone<BITS, 2, T, kWideWarps, true>(p, splits, pl.wide_table, stream);
     }
-    return launch_alone<BITS, 2, T, kWarps>(p, splits, stream);
+    return launch_alone<BITS, 2, T, kWarps>(p, splits, pl.wide_table, stream);
   }
-  if (warps == kWideWarps) return launch_alone<BITS, 1, T, kWideWarps>(p, splits, stream);
+  if (warps == kWideWarps) return launch_alone<BITS, 1, T, kWideWarps>(p, splits, pl.wide_table, stream);
   if (warps == kNarrowWarps) return launch_t<BITS, 1, T, kNarrowWarps>(p, splits, stream);
   return launch_t<BITS, 1, T, kWarps>(p, splits, stream);
 }
 
-// Entry point of one bit width (instantiated in generated/gemv_k<BITS>.cu); `warps` per CTA:
-// kNarrowWarps, kWarps or kWideWarps at M <= 8; at M > 8 kNarrowWarps or kWideWarps with x
-// through shared memory, or kWarps with x in registers where the device cannot give a CTA the
-// ring. `slabs` > 0 (kXrSlabs, kXrFillSlabs): CTAs of that many slabs, x resident (xr_warps).
+// Entry point of one bit width (instantiated in gemv/instantiations/gemv_k<BITS>.cu): the plan's
+// `warps` per CTA are kNarrowWarps, kWarps or kWideWarps at M <= 8; at M > 8 kNarrowWarps or
+// kWideWarps with x through shared memory, or kWarps with x in registers where the device
+// cannot give a CTA the ring (or the plan says so). `slabs` > 0 (kXrSlabs, kXrFillSlabs): CTAs
+// of that many slabs, x resident (xr_warps).
 template <int BITS>
-cudaError_t launch_bits(DType dtype, const Params& p, int splits, int warps, int slabs, cudaStream_t stream) {
-  if (dtype == DType::kHalf) return launch_dt<BITS, __half>(p, splits, warps, slabs, stream);
-  if (dtype == DType::kBFloat16) return launch_dt<BITS, __nv_bfloat16>(p, splits, warps, slabs, stream);
+cudaError_t launch_bits(DType dtype, const Params& p, const GemvPlan& plan, cudaStream_t stream) {
+  if (dtype == DType::kHalf) return launch_dt<BITS, __half>(p, plan, stream);
+  if (dtype == DType::kBFloat16) return launch_dt<BITS, __nv_bfloat16>(p, plan, stream);
   return cudaErrorInvalidValue;
 }
+
+#define KBIT_GEMV_INSTANTIATE_BITS(BITS) \
+  template cudaError_t launch_bits<BITS>(DType, const Params&, const GemvPlan&, cudaStream_t)
 
 // Whether the device gives a 16-warp CTA the x-resident layout's shared memory.
 inline bool xr_fits() {

@@ -1,6 +1,7 @@
-// kbit tensor-core GEMM for large M (y[M,N] = x[M,K] @ dequant(W)^T): torch-free.
+// kbit tensor-core GEMM on mma.sync (y[M,N] = x[M,K] @ dequant(W)^T), torch-free: the path for
+// 16 < M < 512 on GPUs without the wgmma kernel. Planned by dispatch/mma_plan.h; instantiated per
+// bit width in mma/instantiations/mma_k<BITS>.cu.
 //
-// Design (seed 003, with the tiled layout of kbit_layout.cuh):
 //   * mma.sync m16n8k16, fp16 or bf16 fragments, fp32 accumulators. TILE_K = 64 = one layout
 //     unit = two 32-blocks, so a scale never straddles a K-tile. A warp owns 16*MB rows x 32
 //     columns (half a 64-column layout unit: the lane's words h and 2+h of each plane); at
@@ -10,7 +11,7 @@
 //     an XOR-swizzled tile that ldmatrix.x4 reads without bank conflicts.
 //   * W (B) goes global -> shared with cp.async as the raw unit bytes (the layout is already
 //     in fragment order); each lane reads its own 16 B per bit-plane with one conflict-free
-//     LDS.128: no shared-memory write-back, no ldmatrix for B (seed 001).
+//     LDS.128: no shared-memory write-back, no ldmatrix for B.
 //   * dequant in registers: the bit-planes of 8 weights sit in one byte per plane; 2*bits-1
 //     shift/mask ops turn the plane words into 8 nibble indices at once (4 byte indices for
 //     K = 5); the codebook lives in registers (lane l holds entry l mod 2^K, so an index
@@ -21,28 +22,17 @@
 //     << 6); bf16: E4M4(c) == 2^116 * bf16_from_bits(c << 3)), the constant folded into the
 //     codebook registers, so a weight is codebook * scale with a single rounding.
 //   * 6-stage cp.async pipeline, 4 K-tiles ahead, one cp.async wait + __syncthreads per two
-//     K-tiles; it runs straight across work
-//     items (the next tile's first K-tiles are in flight during the epilogue).
+//     K-tiles; it runs straight across work items (the next tile's first K-tiles are in flight
+//     during the epilogue).
 //   * persistent grid over (m-tile, n-tile, k-chunk) work items in an L2-friendly grouped
-//     order (seed 004); split-K with a deterministic reduction: every k-chunk writes its fp32
-//     partial (fragment order, coalesced) to the workspace, the last one to arrive (per-tile
-//     atomic counter, zeroed on-stream) sums all chunks in k-chunk order and writes y.
-//     Bitwise deterministic; the grid and workspace depend on the shapes only (graph safe).
-//   * three tile configs (32, 64, 128 rows x 256 columns, 8 warps) chosen by a cost model
-//     fitted on the H200 (make_plan), with the split-K factor.
-//
-// Where it stands (H200, fp16, K = 4, benchmarks/bench_gemm.py): ~300-320 TFLOP/s at large M,
-// 1.14-1.23x Marlin-g128's time and 2.1-2.5x the faster of cuBLAS fp16 / Machete at M = 4096,
-// so kbit::gemm serves M >= 512 with dequantize + cuBLAS instead (kbit_ops.h); at M = 64
-// 1.2-1.8x Marlin's time. The mma.sync skeleton itself (dequant compiled out) reaches
-// only ~335 TFLOP/s: 128 accumulators per thread leave 2 warps per scheduler, and ~5
-// instructions per HMMA (ldmatrix, shuffles, index math) keep the tensor pipe about half busy
-// (ncu: stalls on fixed-latency dependencies, then tensor-pipe throttle). Reaching cuBLAS needs
-// wgmma (sm_90a) with W as the register-sourced A operand (Y^T = W X^T, Machete's trick): the
-// layout's per-lane data is exactly the wgmma A fragment of 2 n8 groups per warp.
-//
-// Everything here is templates; csrc/generated/mma_k{2,3,4,5}.cu instantiate one bit width
-// each (parallel compile) and csrc/kbit_mma.cu dispatches on bits.
+//     order; split-K with a deterministic reduction: every k-chunk writes its fp32 partial
+//     (fragment order, coalesced) to the workspace, the last one to arrive (per-tile atomic
+//     counter, zeroed on-stream) sums all chunks in k-chunk order and writes y. Bitwise
+//     deterministic; the grid and workspace depend on the shapes only (graph safe).
+//   * three tile configs (32, 64, 128 rows x 256 columns, 8 warps; mma_plan.h cfg_desc).
+// 128 accumulators per thread leave 2 warps per scheduler, and several instructions per HMMA
+// (ldmatrix, shuffles, index math) keep the tensor pipe about half busy at large M, which is why
+// dispatch sends large M to dequantize + cuBLAS and Hopper to the wgmma kernel.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -56,6 +46,7 @@
 #include "core/decode.cuh"
 #include "core/layout.cuh"
 #include "dispatch/launchers.h"
+#include "dispatch/mma_plan.h"
 
 namespace kbit {
 namespace mma {
@@ -71,10 +62,7 @@ constexpr int kTilesPerSync = 2;  // K-tiles computed per wait + __syncthreads
 // the ones being computed, so a stage is refilled only after a barrier that follows its use.
 constexpr int kPrefetch = kStages - kTilesPerSync;
 static_assert(kPrefetch >= kTilesPerSync, "the wait below assumes at least one step of lookahead");
-constexpr int kGroupM = 8;      // m-tiles per L2 group in the tile order (seed 004)
-constexpr int kMinKtPerSplit = 4;  // never split K finer than 4 K-tiles (256 k) per chunk
-constexpr int kMaxSplits = 16;
-constexpr size_t kMaxPartialBytes = size_t(64) << 20;  // split-K workspace cap (fp32 partials)
+constexpr int kGroupM = 8;      // m-tiles per L2 group in the tile order
 
 // ----------------------------------------------------------------------------- PTX helpers
 
@@ -101,7 +89,7 @@ struct Dt;
 
 template <>
 struct Dt<half> {
-  // E4M4(c) == 16 * fp16_from_bits(c << 6), exact for all 256 codes (kbit_layout.cuh): the
+  // E4M4(c) == 16 * fp16_from_bits(c << 6), exact for all 256 codes (core/layout.cuh): the
   // scale register holds fp16_from_bits(c << 6) and the codebook register 16 * cb.
   static constexpr int kScaleShift = 6;
   __device__ __forceinline__ static uint32_t cb_bits(float v) {
@@ -197,22 +185,9 @@ struct TileCfg {
   static_assert(MINB * (kSmemBytes + 1024) <= 228 * 1024, "MINB CTAs fit the sm_90 shared memory");
 };
 
-// The three tile configs (make_plan picks one; all 8 warps, warp tile 16*MB x 32):
-//   0: 32 x 256 (M <= 32)   1: 64 x 256 (M <= 128)   2: 128 x 256 (large M)
-constexpr int kNumCfgs = 3;
-struct CfgDesc {
-  int mb, ng, wm, wn, min_blocks, threads, tile_m, tile_n;
-  double eff;  // relative tensor-pipe efficiency (cost model): more rows per B fragment
-};
-__host__ __device__ constexpr CfgDesc cfg_desc(int c) {
-  return c == 0 ? CfgDesc{2, 4, 1, 8, 2, 256, 32, 256, 0.4}
-       : c == 1 ? CfgDesc{4, 4, 1, 8, 2, 256, 64, 256, 0.6}
-                : CfgDesc{8, 4, 1, 8, 1, 256, 128, 256, 1.0};
-}
-
 struct Params {
   const void* x;           // [m, k] row-major, fp16 / bf16
-  const uint4* packed;     // tiled layout (kbit_layout.cuh), 16 B aligned
+  const uint4* packed;     // tiled layout (core/layout.cuh), 16 B aligned
   const uint4* absmax;     // tiled E4M4 bytes
   const float* codebook;   // [2^bits] fp32
   const void* bias;        // [n] or nullptr
@@ -230,8 +205,8 @@ __device__ __forceinline__ void decode_item(const Params& p, int item, int& tile
                                             int& nt, int& kc, int& kt0, int& kt1) {
   tile = item / p.splits;
   kc = item - tile * p.splits;
-  // Grouped order (seed 004): kGroupM m-tiles run together across the n-tiles, so the CTAs
-  // in flight share a few x row-blocks and a few weight column-blocks in L2.
+  // Grouped order: kGroupM m-tiles run together across the n-tiles, so the CTAs in flight share
+  // a few x row-blocks and a few weight column-blocks in L2.
   const int group_size = kGroupM * p.n_tiles;
   const int group = tile / group_size;
   const int first_m = group * kGroupM;
@@ -559,91 +534,6 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) kbit_mma_kernel(const Para
 
 // ----------------------------------------------------------------------------- host side
 
-// The launch plan: a pure function of (m, n, k, bits, num_sms), so the grid and the workspace
-// are the same on every call with these shapes (CUDA-graph safe, no host sync).
-struct Plan {
-  int cfg;
-  int m_tiles, n_tiles, k_tiles, n_units;
-  int splits, kt_per_split, items, grid;
-  size_t counter_bytes, partial_bytes;
-};
-
-// Cost model, fitted on the H200 (scripts/mma_dev.py sweep: every (config, split) on the six
-// benchmark shapes at M = 64, 256, 1024, 4096; it picks the measured best on all 24). One CTA
-// K-tile of config c costs tile_m * tile_n / eff (eff: tensor-pipe efficiency of the warp
-// tile: rows sharing each dequantized B fragment), times the CTAs sharing an SM (0.7 of that
-// when a 2-CTA config has at most one CTA per SM); items run in waves of num_sms * occ; each
-// item pays its K-tiles, the grid a pipeline fill (~2 K-tiles); split-K pays a partial write
-// per item (~0.5) and, for the last chunk of a tile, reading all chunks back (~2 each), and
-// 10% hysteresis: a split has to buy a clear win over whole-K tiles.
-inline double plan_cost(int c, int m, int n_units, int k_tiles, int num_sms, int splits) {
-  const CfgDesc d = cfg_desc(c);
-  const int m_tiles = div_up(m, d.tile_m);
-  const int n_tiles = div_up(n_units * kUnitN, d.tile_n);
-  const int kps = div_up(k_tiles, splits);
-  const int s_eff = div_up(k_tiles, kps);
-  const long items = (long)m_tiles * n_tiles * s_eff;
-  const long slots = (long)num_sms * d.min_blocks;
-  const long waves = (items + slots - 1) / slots;
-  double ktile = (double)d.tile_m * d.tile_n / d.eff * d.min_blocks / (128.0 * 256.0);
-  if (d.min_blocks > 1 && items <= num_sms) ktile *= 0.7;
-  double t = waves * (kps + (s_eff > 1 ? 0.5 : 0.0)) + 2.0 + (s_eff > 1 ? 2.0 * s_eff : 0.0);
-  t *= ktile;
-  if (s_eff > 1) t *= 1.1;
-  return t;
-}
-
-// The plan for tile config c with K split into (at most) `splits` chunks.
-inline Plan plan_for(int c, int splits, int m, int n, int k, int num_sms) {
-  Plan pl{};
-  const CfgDesc d = cfg_desc(c);
-  pl.cfg = c;
-  pl.n_units = n_units(n);
-  pl.k_tiles = k_units(k);
-  pl.m_tiles = div_up(m, d.tile_m);
-  pl.n_tiles = div_up(pl.n_units * kUnitN, d.tile_n);
-  pl.kt_per_split = div_up(pl.k_tiles, splits < 1 ? 1 : splits);
-  pl.splits = div_up(pl.k_tiles, pl.kt_per_split);
-  const long items = (long)pl.m_tiles * pl.n_tiles * pl.splits;
-  const long slots = (long)(num_sms < 1 ? 1 : num_sms) * d.min_blocks;
-  pl.items = (int)items;
-  pl.grid = (int)(items < slots ? items : slots);
-  const size_t tiles = (size_t)pl.m_tiles * pl.n_tiles;
-  pl.counter_bytes = pl.splits > 1 ? (tiles * sizeof(int) + 255) / 256 * 256 : 0;
-  pl.partial_bytes = pl.splits > 1 ? tiles * pl.splits * d.tile_m * d.tile_n * sizeof(float) : 0;
-  return pl;
-}
-
-inline Plan make_plan(int m, int n, int k, int bits, int num_sms) {
-  (void)bits;
-  const int nu = n_units(n), kt = k_units(k);
-  if (num_sms < 1) num_sms = 1;
-  double best = 1e300;
-  int best_c = 1, best_s = 1;
-  for (int c = 0; c < kNumCfgs; ++c) {
-    if (c == 0 && m > 64) continue;   // 32-row tiles up to two m-tiles
-    if (c == 1 && m > 256) continue;  // 64-row tiles up to a few m-tiles
-    if (c == 2 && m <= 64) continue;  // 128-row tiles only past 64 rows
-    for (int s = 1; s <= kMaxSplits; ++s) {
-      const int kps = div_up(kt, s);
-      if (s > 1 && (kps < kMinKtPerSplit || div_up(kt, kps) != s)) continue;
-      const CfgDesc d = cfg_desc(c);
-      if (s > 1 && (size_t)div_up(m, d.tile_m) * div_up(nu * kUnitN, d.tile_n) * s * d.tile_m * d.tile_n *
-                           sizeof(float) > kMaxPartialBytes)
-        continue;
-      const double t = plan_cost(c, m, nu, kt, num_sms, s);
-      if (t < best * 0.999) {
-        best = t;
-        best_c = c;
-        best_s = s;
-      }
-    }
-  }
-  return plan_for(best_c, best_s, m, n, k, num_sms);
-}
-
-inline size_t workspace_bytes(const Plan& pl) { return pl.counter_bytes + pl.partial_bytes; }
-
 template <typename T, int BITS, int MB, int NG, int WM, int WN, int MINB>
 cudaError_t launch_cfg(const Params& prm, int grid, cudaStream_t stream) {
   using C = TileCfg<BITS, MB, NG, WM, WN, MINB>;
@@ -664,22 +554,20 @@ cudaError_t launch_config(const Params& prm, int grid, cudaStream_t stream) {
   return launch_cfg<T, BITS, d.mb, d.ng, d.wm, d.wn, d.min_blocks>(prm, grid, stream);
 }
 
-// Launch for one dtype and bit width (instantiated in csrc/generated/mma_k{BITS}.cu).
-// `workspace` must hold workspace_bytes(plan) bytes (16 B aligned) when plan.splits > 1.
+// Launch for one dtype and bit width. `workspace` must hold workspace_bytes(plan) bytes (16 B
+// aligned) when plan.splits > 1.
 template <typename T, int BITS>
-cudaError_t launch_bits(const Plan& pl, const void* x, const uint32_t* packed, const uint8_t* absmax,
-                        const float* codebook, const void* bias, void* y, void* workspace, int m,
-                        int n, int k, cudaStream_t stream) {
+cudaError_t launch_typed(const Plan& pl, const GemmOperands& a, void* workspace, cudaStream_t stream) {
   Params prm{};
-  prm.x = x;
-  prm.packed = reinterpret_cast<const uint4*>(packed);
-  prm.absmax = reinterpret_cast<const uint4*>(absmax);
-  prm.codebook = codebook;
-  prm.bias = bias;
-  prm.y = y;
-  prm.m = m;
-  prm.n = n;
-  prm.k = k;
+  prm.x = a.x;
+  prm.packed = reinterpret_cast<const uint4*>(a.packed);
+  prm.absmax = reinterpret_cast<const uint4*>(a.absmax);
+  prm.codebook = a.codebook;
+  prm.bias = a.bias;
+  prm.y = a.y;
+  prm.m = a.m;
+  prm.n = a.n;
+  prm.k = a.k;
   prm.n_units = pl.n_units;
   prm.k_tiles = pl.k_tiles;
   prm.m_tiles = pl.m_tiles;
@@ -702,26 +590,18 @@ cudaError_t launch_bits(const Plan& pl, const void* x, const uint32_t* packed, c
   }
 }
 
-// One bit width, both activation dtypes: what csrc/generated/mma_k{BITS}.cu instantiates.
+// One bit width, both activation dtypes (instantiated in mma/instantiations/mma_k<BITS>.cu).
 template <int BITS>
-cudaError_t launch_mma_bits(DType dtype, const Plan& pl, const void* x, const uint32_t* packed,
-                            const uint8_t* absmax, const float* codebook, const void* bias, void* y,
-                            void* workspace, int m, int n, int k, cudaStream_t stream) {
-  switch (dtype) {
-    case DType::kHalf:
-      return launch_bits<half, BITS>(pl, x, packed, absmax, codebook, bias, y, workspace, m, n, k, stream);
-    case DType::kBFloat16:
-      return launch_bits<__nv_bfloat16, BITS>(pl, x, packed, absmax, codebook, bias, y, workspace, m,
-                                              n, k, stream);
-    default:
-      return cudaErrorInvalidValue;
+cudaError_t launch_bits(const Plan& pl, const GemmOperands& a, void* workspace, cudaStream_t stream) {
+  switch (a.dtype) {
+    case DType::kHalf: return launch_typed<half, BITS>(pl, a, workspace, stream);
+    case DType::kBFloat16: return launch_typed<__nv_bfloat16, BITS>(pl, a, workspace, stream);
+    default: return cudaErrorInvalidValue;
   }
 }
 
-#define KBIT_MMA_DECLARE_BITS(BITS)                                                                   \
-  template cudaError_t launch_mma_bits<BITS>(DType, const Plan&, const void*, const uint32_t*,       \
-                                             const uint8_t*, const float*, const void*, void*, void*, \
-                                             int, int, int, cudaStream_t)
+#define KBIT_MMA_INSTANTIATE_BITS(BITS) \
+  template cudaError_t launch_bits<BITS>(const Plan&, const GemmOperands&, void*, cudaStream_t)
 
 }  // namespace mma
 }  // namespace kbit

@@ -6,18 +6,14 @@
 // Design. One warp per 64x64 unit, as the GEMV reads it: each lane loads its own 16 bytes per
 // bit-plane (a warp reads 512 contiguous bytes per plane) and its 16 absmax codes, the next
 // unit's loads in flight while this one decodes. A lane's plane words hold, per (column,
-// block), 8 elements at k = 2t + {0, 1, 8, 9, 16, 17, 24, 25} (kbit_layout.cuh): their indices
+// block), 8 elements at k = 2t + {0, 1, 8, 9, 16, 17, 24, 25} (core/layout.cuh): their indices
 // come out of the IndexWords nibble / byte fields (~1 op each), their values from a
 // 32-replica fp32 codebook in shared memory (lane l reads replica l: conflict-free). The
 // rounded pairs (k, k + 1) go to a per-warp staging block of 64 rows (one per column), and the
 // warp writes it back as 16-byte stores, 8 rows x 64 contiguous bytes per instruction (full
-// sectors).
-// Why (H200, bench_gemm.py --dequant-only, same shapes): the first kernel gathered each index
-// bit by bit (~20 integer ops per weight) and its 16-byte stores were 64 bytes apart across a
-// warp (half-written sectors): 57344x8192 K=4 in 502 us (fe1f150). This one takes 414.5 us,
-// 2.9 TB/s of reads + writes. A first build that wrote only half the rows (a bug the tests
-// caught) moved the same 2.9 TB/s, so what is left is the DRAM's rate for a stream of 80%
-// writes (the copy bandwidth, half reads, is 4.2 TB/s).
+// sectors). Gathering each index bit by bit, or 16-byte stores 64 bytes apart across a warp
+// (half-written sectors), was slower; this one runs at about the DRAM's rate for a stream of
+// 80% writes (docs/PERFORMANCE.md).
 #include <cstdint>
 
 #include "core/common.cuh"

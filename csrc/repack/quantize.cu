@@ -1,7 +1,7 @@
 // Quantize W[N, K] to the checkpoint layout, bit-exact with vllm_kbit/format.py:quantize.
 // One warp per 32-weight block (lane i = element i): warp absmax, E4M4 encode (nearest code,
 // ties to the larger code), IEEE division by the decoded scale, nearest codebook entry (first
-// index on ties, as torch.argmin), and __ballot_sync to build the bit-planes (seed 003).
+// index on ties, as torch.argmin), and __ballot_sync to build the bit-planes.
 // The build uses --use_fast_math, so the arithmetic that must match the reference bit for bit
 // goes through the explicit round-to-nearest intrinsics (__fdiv_rn, __fsub_rn).
 #include <cuda_bf16.h>

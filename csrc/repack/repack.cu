@@ -1,4 +1,4 @@
-// Repack: checkpoint layout (format.py) -> the tiled layout of kbit_layout.cuh.
+// Repack: checkpoint layout (format.py) -> the tiled layout of core/layout.cuh.
 // Runs once per weight at load time; it is a pure gather, so it favours plain index math over
 // speed (one thread per output word; reads hit L2 because the 4 lanes of a column group and
 // the neighbouring words read the same source words).
@@ -47,7 +47,7 @@ __device__ __forceinline__ uint32_t nibble_word_of(const uint32_t* __restrict__ 
 }
 
 // One thread per packed word: word index = ((unit * bits + b) * 32 + lane) * 4 + w. Slot b
-// holds what slot_form(bits) says (kbit_layout.cuh).
+// holds what slot_form(bits) says (core/layout.cuh).
 __global__ void repack_packed_kernel(const uint32_t* __restrict__ qweight, uint32_t* __restrict__ packed,
                                      int n, int k, int bits, long long total_words) {
   const int ku_count = k_units(k);

@@ -1,38 +1,35 @@
 // kbit GEMM on Hopper's asynchronous tensor-core instruction (wgmma, sm_90a) for mid-size M:
 // y[M, N] = x[M, K] @ dequant(W)^T, torch-free. Instantiated per bit width in
-// csrc/generated/wgmma_k{2,3,4,5}.cu; csrc/kbit_wgmma.cu holds the host plan.
+// wgmma/instantiations/wgmma_k<BITS>.cu; dispatch/wgmma_plan.h holds the plan, which this file
+// feeds with each instantiation's occupancy. docs/DESIGN.md describes the design.
 //
-// Why this shape (Machete's transposition, seed 002): compute Y^T = W X^T with the
-// dequantized W as wgmma's register-sourced A operand and x^T as the shared-memory B operand.
-// Then the weights never round-trip through shared memory after decode, the tokens are the
-// wgmma N dimension (16..256 per CTA; M from 17 to wgmma_max_m is served here), and the
-// instruction is asynchronous: the tensor cores multiply one 32-block while the warps decode the
-// next.
+// Compute Y^T = W X^T with the dequantized W as wgmma's register-sourced A operand and x^T as
+// the shared-memory B operand. Then the weights never round-trip through shared memory after
+// decode, the tokens are the wgmma N dimension (16..256 per CTA), and the instruction is
+// asynchronous: the tensor cores multiply one 32-block while the warps decode the next.
 //   * a warpgroup (4 warps): warp w owns the 64-column slab w of the CTA's slabs, i.e.
-//     exactly the lane-local fragments of kbit_layout.cuh (no data crosses lanes or warps).
+//     exactly the lane-local fragments of core/layout.cuh (no data crosses lanes or warps).
 //     A wgmma m64 tile takes rows 16w..16w+15 from warp w, so row tile `pr` of the four warps'
 //     units forms one m64 (rows permuted across slabs; the epilogue maps them back): four
 //     accumulator sets of 64 x MT per warpgroup, 256 columns x MT tokens, 2 MT fp32 / thread
 //     (with a row split R = 2: two sets, MT fp32 / thread).
 //     CTA = one warpgroup (256 columns); or two sharing one x tile (512 columns, half the x
-//     traffic per weight; only when forced since the TMA loads, plan_t); or two that split each
-//     unit's row tiles between them (row split R = 2: at MT = 128 so that the accumulators fit,
-//     at MT = 64 and short-K MT = 32 for 16 warps per SM, plan_t). At MT = 256 (the tall CTA,
-//     Cfg::kTall, from 192 rows on the layers where choose_tall takes it) 128 columns: each warp
-//     multiplies one row tile of its plane words at n = 256, so each weight is decoded once per
-//     256 tokens; split along K in one cluster where too few tall CTAs would leave SMs idle.
-//   * per 32-block: decode (kbit_decode.cuh: the GEMV's pair tables, codebook pre-multiplied
+//     traffic per weight; only when forced, plan_wgmma); or two that split each unit's row tiles
+//     between them (row split R = 2: at MT = 128 so that the accumulators fit, at MT = 64 and
+//     short-K MT = 32 for 16 warps per SM). At MT = 256 (the tall CTA, Cfg::kTall, where
+//     choose_tall takes it) 128 columns: each warp multiplies one row tile of its plane words at
+//     n = 256, so each weight is decoded once per 256 tokens.
+//   * per 32-block: decode (core/decode.cuh: the GEMV's pair tables, codebook pre-multiplied
 //     by the E4M4 constant, then one HMUL2 by the block's scale) -> 8 wgmma (4 row tiles x
 //     2 k16 steps) into two alternating A buffers: block b+1 decodes while block b multiplies
 //     (wgmma.wait_group 1).
-//   * x is used as stored: the decoder's pairs come in a permuted k order (kbit_decode.cuh), and
+//   * x is used as stored: the decoder's pairs come in a permuted k order (core/decode.cuh), and
 //     one PRMT per A register regroups them into natural k, so x goes to shared memory as
 //     stored, by TMA (a 2-D tensor map of x, box MT rows x 64 k) straight into the 128 B
 //     swizzle wgmma's descriptor describes, in the same stage as W (bulk copies of the CTA's
 //     units, one per slab's warp). The bytes and 1 + slabs arrivals complete the stage's
-//     mbarrier. (cp.async by every thread, before: each SM moved only ~35 GB/s from L2, and
-//     the loads alone took 62% of a 57344x8192 M=256 call, docs/MMA.md; now 10-12% faster
-//     at M = 128..256, 6-9% at M = 64.)
+//     mbarrier. TMA, not cp.async by every thread: the SMs' L2 -> shared memory rate was what
+//     bound the loads.
 //   * each lane reads back only its own 16 B per plane of its warp's unit (conflict-free LDS.128).
 //   * per K-tile: every thread waits for the stage's mbarrier, then one __syncthreads (every
 //     warp is past the previous tile, so the stage two tiles back may be refilled). Where one
@@ -42,7 +39,7 @@
 //     table wherever one CTA holds the SM (Cfg::kWideLut; also the forced 512-column CTAs).
 //   * an unsplit call's y leaves through shared memory: stmatrix writes each slab's tile
 //     transposed into the 128 B swizzle and one TMA store a slab writes whole lines (N % 8 == 0;
-//     else element by element). 8% faster on 28672x4096 at M = 256, 5% at M = 64 (docs/MMA.md).
+//     else element by element).
 //   * split-K across a thread-block cluster (<= 16 CTAs along K), reduced through distributed
 //     shared memory in a fixed order: deterministic, no workspace, one launch (graph safe); where
 //     the clusters that would fill the SMs do not fit, over several clusters whose sums meet in
@@ -64,9 +61,10 @@
 #include "core/decode.cuh"
 #include "core/layout.cuh"
 #include "dispatch/launchers.h"
+#include "dispatch/wgmma_plan.h"
 
 // wgmma exists only in arch-specific sm_90a code; every other target compiles a trap body and
-// the host never launches it there (wgmma_supported in kbit_wgmma.cu).
+// the host never launches it there (wgmma_supported in wgmma_launch.cu).
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define KBIT_WGMMA_DEVICE 1
 #else
@@ -77,29 +75,18 @@ namespace kbit {
 namespace wg {
 
 constexpr int kSlabs = 4;               // one 64-column layout slab per warp of a warpgroup
-// Split-K clusters of up to 16 CTAs: sizes 9..16 are "non-portable" (sm_90 allows them with
-// cudaFuncAttributeNonPortableClusterSizeAllowed); the plan takes them only for long K ranges
-// (choose_splits, kBigClusterChunk).
-constexpr int kMaxSplits = 16;
-constexpr int kPortableSplits = 8;      // the largest cluster every sm_90 launch allows
-constexpr int kPlanInts = kWgmmaPlanInts;  // wgmma_plan_info's out[] (kbit_ops.h)
 // Grid (splits, token tiles, column groups): the token tiles of one column group are launched
-// next to each other, so the W they share is read from DRAM once and from L2 after (0-7% faster
-// at M = 128..512 than column groups first, wgmma_dev.py, H200).
+// next to each other, so the W they share is read from DRAM once and from L2 after.
 __device__ __forceinline__ int token_tile() { return blockIdx.y; }
 __device__ __forceinline__ int col_group() { return blockIdx.z; }
 
-using Params = StreamParams;  // kbit_common.cuh
+using Params = StreamParams;  // core/common.cuh
 
 // Row split R of a 256-column CTA: R warpgroups share its four slabs; with R = 2 warpgroup wg
 // takes row tiles 2 wg and 2 wg + 1 of every unit (the lane's plane words h = wg). Each weight
 // is still decoded once per CTA; what changes is how many warps share the decode (16 per SM
 // instead of 8 where two CTAs fit an SM) and how many accumulators a thread holds (4 / R sets
-// of MT / 2). The plan (plan_t) picks R; measurements there.
-// CTAs per SM of an (MT, CN, R) CTA unless the plan asks for one per SM (one_per_sm): two
-// wherever a thread's accumulators fit 128 registers (64 fp32 with the row split at MT <= 64,
-// 128 without it at 256 columns), else one.
-constexpr int default_cps(int mt, int cn, int rs) { return (rs == 1 && cn == 256) || (rs == 2 && mt <= 64) ? 2 : 1; }
+// of MT / 2). The plan (plan_wgmma) picks R; measurements there.
 // MT tokens x CN columns per CTA, row split R, CPS CTAs per SM (the residency the CTA is built
 // for: its registers, shared memory, and whether a producer warpgroup and the wide table come
 // with it; one_per_sm picks between 2 and 1 at MT = 64).
@@ -114,11 +101,11 @@ template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
   // accumulator set each (128 fp32 a thread, as at MT = 128): warp w of warpgroup wg multiplies
   // row tile 2 wg + (w >> 1) of slab w & 1, so each decoded weight feeds 256 tokens instead of
   // 128 (half the decode per MMA) for twice the x bytes per K-tile. Split-K in one cluster only
-  // (no cluster groups, plan_t).
+  // (no cluster groups, plan_wgmma).
   static constexpr bool kTall = MT == 256;
   static_assert(!kTall || (CN == 128 && R == 2 && CPS == 1), "the tall CTA: 128 columns, two warpgroups, one per SM");
   static_assert(!(R == 1 && MT == 128), "128 x 64 fp32 accumulators per thread do not fit the registers");
-  static_assert(CPS == 1 || default_cps(MT, CN, R) == 2, "two CTAs per SM only where their accumulators fit");
+  static_assert(CPS == 1 || default_ctas_per_sm(MT, CN, R) == 2, "two CTAs per SM only where their accumulators fit");
   static_assert(CPS == 2 || !(R == 1 && CN == 256), "256 columns without a row split: two CTAs per SM");
   // CN = 512 (R = 1): two warpgroups of four slabs each share one x tile (half the x traffic
   // per weight).
@@ -136,10 +123,7 @@ template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
   // allocated per warpgroup, so it is a whole one, which gives its registers to the consumers
   // (setmaxnreg: 128 x 40 + 256 x 232 <= 64 K; the launch takes 168 a thread, the consumers'
   // code after the raise uses up to 187); only where one CTA holds the SM, and not in 512-column
-  // CTAs (forced only): the copies of eight slabs spill out of the producer's 40 registers (64
-  // would fit; not measured). With the wide table (below): 7-10% faster at K=4, M = 128..512
-  // on 28672x4096 and 57344x8192 (wgmma_dev.py), 4-8% in the 8B decode step at K = 2..4 and
-  // 1-2% at K=5 (docs/MMA.md, tenth session).
+  // CTAs (forced only): the copies of eight slabs spill out of the producer's 40 registers.
   static constexpr bool kProducer = kCtasPerSm == 1 && CN <= 256;
   static constexpr int kThreads = kConsumers + (kProducer ? 128 : 0);
   static constexpr int kUnitBytes = BITS * 512 + kUnitAbsmaxBytes;  // one layout unit
@@ -147,7 +131,7 @@ template <int BITS, int MT, int CN, int R, int CPS> struct Cfg {
   static constexpr int kWBytes = kSlabsCta * kUnitBytes;    // one K-tile of W (the slabs' units)
   static constexpr int kStageBytes = kXBytes + (kWBytes + 1023) / 1024 * 1024;  // x tile, then W (1 KB steps)
   static constexpr int kLutOff = 0;
-  // Wide-row pair table (K=3,4, one CTA per SM; kbit_decode.cuh PairTable::kWideLutBytes): at
+  // Wide-row pair table (K=3,4, one CTA per SM; core/decode.cuh PairTable::kWideLutBytes): at
   // the first 64 KB-aligned address of the CTA's window, so one PRMT forms a lookup address
   // (the GEMV's scheme). Stages then fill the space below it and above it; barriers sit at
   // kWideUsable. Whatever the window's start, that leaves at least kWideFit stages.
@@ -337,7 +321,7 @@ template <> __device__ __forceinline__ void wgmma_rs<256, __nv_bfloat16>(float (
 // Row tile 2h + qp of one plane word (block kb = wi / 2, h = wi % 2: n8 groups 4h + 2qp, rows g,
 // and 4h + 2qp + 1, rows g + 8) as A[k16 step][register].
 // kNatural (K=5): the decoder's natural_pair hands out (k, k + 1) pairs, which are the A
-// registers as they come (2-6% faster at M = 32..256, docs/MMA.md).
+// registers as they come.
 template <int BITS, typename T, bool kWideLut, bool kNatural>
 __device__ __forceinline__ void decode_row_tile(const Decoder<BITS, T, kWideLut>& dec, uint32_t codes, int qp,
                                                 uint32_t (&A)[2][4], uint32_t lut_addr, uint32_t table) {
@@ -356,7 +340,7 @@ __device__ __forceinline__ void decode_row_tile(const Decoder<BITS, T, kWideLut>
       a0[s] = hmul2<T>(dec.pair(q0, s, lut_addr, table), s0);
       a1[s] = hmul2<T>(dec.pair(q1, s, lut_addr, table), s1);
     }
-    // The pairs come in the decoder's k order (kbit_decode.cuh): pair s of this lane holds, for
+    // The pairs come in the decoder's k order (core/decode.cuh): pair s of this lane holds, for
     // K = 3..5, k = (2t + s', 16 + 2t + s') with s = 2 j + s' covering k = 8 j + ..., and for K = 2
     // (crumb pairs) k = (16 j + 2t + s', 16 j + 8 + 2t + s'). One PRMT per register regroups
     // them into the m16n8k16 A fragment of natural k (k16 step, then k = 2t, 2t+1 / 2t+8, 2t+9),
@@ -402,9 +386,7 @@ __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint
 }
 
 // kSplitTall: the tall CTA's split-K build (Cfg::kTall only). A separate instantiation, so the
-// unsplit tall kernel keeps the code it had before the tall CTAs could split: compiled into it,
-// the split epilogue's registers cost the unsplit main loop 1.0-2.5% at K = 2, 3 (8B decode step,
-// M = 1000 / 2048, two builds alternated twice, docs/MMA.md).
+// split epilogue's registers do not cost the unsplit tall kernel's main loop.
 template <int BITS, int MT, int CN, int R, int CPS, typename T, bool kSplitTall = false>
 __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
     wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap xmap, const __grid_constant__ CUtensorMap ymap) {
@@ -456,15 +438,12 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
     if (p.y_tma) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&ymap)) : "memory");
   }
-  wait_prior_grids();  // programmatic dependent launch (kbit_common.cuh): x may be the previous kernel's output
+  wait_prior_grids();  // programmatic dependent launch (core/common.cuh): x may be the previous kernel's output
 
   // Without a producer, K-tile i -> stage i % kStages: thread 0 loads x rows m0.. as stored,
   // zeros past M and K (TMA); lane 0 of each slab's warp its unit.
-  // Measured against thread 0 issuing every unit's copies and against cp.async of W by the
-  // slab's warps (arriving on the same mbarrier): 2-5% faster at M = 64..256, equal at M = 16.
-  // the warps that load W, one slab each: with warpgroups on shared slabs (R > 1) the last
-  // one, so that the first (whose thread 0 issues x) does not also carry W's issue work
-  // (0.2-1.1% faster at M = 128 / 256 on four shapes, wgmma_dev.py, same call)
+  // The warps that load W, one slab each: with warpgroups on shared slabs (R > 1) the last
+  // one, so that the first (whose thread 0 issues x) does not also carry W's issue work.
   const bool w_loader = R == 1 || wg == R - 1;
   // slab sl's unit of K-tile ku into stage st (a slab past N copies unit 0: read, never used)
   const auto load_unit = [&](uint32_t st, int sl, int ku, uint32_t bar) {
@@ -625,9 +604,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
       // Through shared memory: each slab's [MT tokens][64 columns] tile in the 128 B swizzle
       // (16-byte chunk c of token row t at chunk c ^ (t % 8): the eight rows of one stmatrix
       // fragment hit eight different bank groups), then one TMA store per slab writes whole
-      // lines, clipped at M and N by the tensor map. Per element, the scalar store below
-      // recomputes its column and row and writes 2 bytes; its phase took 6.0 us of each
-      // 28672x4096 CTA at M = 256 (2.6 at M = 64) after a 51 us main loop (per-CTA trace).
+      // lines, clipped at M and N by the tensor map. The scalar store below recomputes each
+      // element's column and row and writes 2 bytes.
       constexpr int kBox = MT * 128;
       static_assert(C::kSlabsCta * kBox <= (C::kWideLut ? C::kWideUsable : C::kBarOff),
                     "the y tiles fit below the mbarriers");
@@ -686,13 +664,13 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
       }
     return;
   }
-  // (the tall CTA splits K in one cluster only, in its kSplitTall build: plan_t keeps 128-token
-  // tiles under forced cluster groups, KBIT_WGMMA_GROUPS >= 2)
+  // (the tall CTA splits K in one cluster only, in its kSplitTall build: plan_wgmma keeps 128-token
+  // tiles under forced cluster groups)
   static_assert(!kSplitTall || C::kTall, "kSplitTall: the tall CTA's split build only");
-  if constexpr (C::kTall && !kSplitTall) __trap();  // unreachable: launch_t2 launches kSplitTall
+  if constexpr (C::kTall && !kSplitTall) __trap();  // unreachable: launch_typed launches kSplitTall
   // split-K: partials to this CTA's shared memory ([element][thread], conflict-free), then CTA
   // `rank` of the cluster sums its slice of the elements over the cluster's CTAs in rank order.
-  // With p.groups > 1 the K range is split over that many clusters (plan_t, choose_groups): each
+  // With p.groups > 1 the K range is split over that many clusters (plan_wgmma, choose_groups): each
   // CTA writes its slice's cluster sum to the workspace, and the one to arrive last at that
   // slice (a counter per tile and rank) adds the groups' sums in group order: bitwise
   // deterministic, whichever cluster arrives last.
@@ -714,14 +692,9 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   // The y store of elements E..E+3: four threads' partials of one register (one column, four
   // token rows). Every E of this thread has the same E % kThreads (its steps are multiples of
   // kThreads), so those four threads, and with them each value's column and row offsets, can
-  // be fixed before the loop, leaving only the register index E / kThreads to vary. Per
-  // element, the index arithmetic was most of the sums' phase (4.2 of its 6.1 us at M = 256
-  // with own-rank loads only and no stores, per-CTA trace). Hoisted at 128-token tiles,
-  // the K=4 8B decode step at M = 256 took 7834 us against 7935 (qkv 35.7 -> 34.5, o 26.6 ->
-  // 25.7; two builds alternated twice in one call, docs/MMA.md). Hoisted at 64-token tiles too,
-  // M = 64 measured 2% slower at K=4, mostly in a layer that does not split (code placement, we
-  // think), so those kernels keep the per-element store and their code as before. The tall CTA's
-  // split build (MT = 256) hoists too.
+  // be fixed before the loop, leaving only the register index E / kThreads to vary (kHoisted).
+  // At 128- and 256-token tiles only: at 64 tokens the hoisted form measured slower (code
+  // placement in a layer that does not split), so those kernels store per element.
   constexpr bool kHoisted = MT >= 128;
   // thread th's slab and first row tile, as `slab` and `pr0` at the top for th = tid
   const auto slab_of = [](int th) { return C::kTall ? ((th >> 5) & 1) : R > 1 ? ((th >> 5) & 3) : (th >> 5); };
@@ -767,10 +740,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   };
   // A thread's elements are E = e0 + 4 tid + 4 kThreads j. Every rank's 16-byte load of EB of
   // them is issued before the first sum (ranks unrolled to RB >= csize: up to 16 loads in
-  // flight), as the GEMV's final pass does for its ranks; one at a time, each remote load
-  // waited out its latency. The epilogue took 7-9 us of a 27-36 us call at M = 256 (qkv, o,
-  // down; per-CTA globaltimer trace, H200); this took 1-1.5 us a layer off (docs/MMA.md, Next).
-  // The sums still run in rank order (deterministic).
+  // flight), as the GEMV's final pass does for its ranks, so the remote loads overlap instead of
+  // each waiting out its latency. The sums still run in rank order (deterministic).
   const auto reduce_slice = [&](auto rb, auto eb) {
     constexpr int RB = decltype(rb)::value, EB = decltype(eb)::value;
     for (int E0 = e0 + 4 * tid; E0 < e1; E0 += 4 * kThreads * EB) {
@@ -821,8 +792,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
     }
     if (named_sync_or(1, kThreads, last)) {
       __threadfence();  // acquire for the threads that read the other groups' sums
-      // kBatch float4 of each group in flight before any is added: they are L2 round trips (one
-      // at a time, 4096x4096 at M = 256 took 35.5 us in the decode graph, batched 30.7)
+      // kBatch float4 of each group in flight before any is added: they are L2 round trips
       constexpr int kBatch = 8;
       for (int E0 = e0 + 4 * tid; E0 < e1; E0 += 4 * kThreads * kBatch) {
         float4 v[kBatch];
@@ -850,17 +820,8 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
 #endif
 }
 
-// Occupancy of one instantiation, from the CUDA occupancy API once per process (the first call
-// also opts the kernel into its dynamic shared memory): CTAs one SM holds, the dynamic shared
-// memory that leaves room for only one CTA per SM ("spread" launches, below), and how many
-// clusters of s CTAs can be resident at once, packed or spread.
-struct Occupancy {
-  int per_sm = 1;
-  int spread_bytes = 0;
-  int max_splits = kPortableSplits;      // kMaxSplits where the device allows non-portable sizes
-  int clusters[kMaxSplits + 1][2] = {};  // [s][spread]; 0 = the API gave no answer
-};
-
+// Occupancy of one instantiation (dispatch/wgmma_plan.h), from the CUDA occupancy API once per
+// process; the first call also opts the kernel into its dynamic shared memory.
 template <int BITS, int MT, int CN, int R, int CPS, typename T, bool kSplitTall = false> const Occupancy& occupancy() {
   static const Occupancy occ = [] {
     using C = Cfg<BITS, MT, CN, R, CPS>;
@@ -934,14 +895,15 @@ template <typename T> cudaError_t make_y_map(const Params& p, int mt, CUtensorMa
 }
 
 // Launch one instantiation with `splits` CTAs along K: p.groups clusters of splits / p.groups
-// (1..kMaxSplits) CTAs; `spread`: with spread_bytes of shared memory, so that no SM takes two.
+// (1..kMaxSplits) CTAs; `spread`: with spread_bytes of shared memory, so that no SM takes two;
+// `y_tma`: an unsplit call may store y through TMA.
 template <int BITS, int MT, int CN, int R, int CPS, typename T, bool kSplitTall = false>
-cudaError_t launch_t(Params p, int splits, bool spread, cudaStream_t stream) {
+cudaError_t launch_instantiation(Params p, int splits, bool spread, bool y_tma, cudaStream_t stream) {
   alignas(64) CUtensorMap xmap, ymap = {};
   const cudaError_t e = make_x_map<T>(p, MT, &xmap);
   if (e != cudaSuccess) return e;
   // an eligible call whose map does not encode is an error, so the TMA store never goes quietly
-  p.y_tma = splits == 1 && env_int("KBIT_WGMMA_Y_TMA", 1) != 0 && y_map_eligible(p);
+  p.y_tma = splits == 1 && y_tma && y_map_eligible(p);
   if (p.y_tma) {
     const cudaError_t ey = make_y_map<T>(p, MT, &ymap);
     if (ey != cudaSuccess) return ey;
@@ -967,225 +929,14 @@ cudaError_t launch_t(Params p, int splits, bool spread, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, kernel, p, xmap, ymap);
 }
 
-// Split-K factor from the shape and the occupancy: the fewest waves x CTA time, a CTA's time
-// being its K-tiles at a rate set by how many CTAs share its SM, plus a fixed cost (pipeline
-// fill, table, reduction: ~3 K-tiles). Measured on the H200 (bench_gemm.py --sweep-splits
-// --path wgmma, M = 16 and 64, 8192x28672 and 4096x14336, 2026-11-21):
-//   * a K-tile takes a 256-column CTA ~1.0 us alone on its SM and ~1.7 us with a second one
-//     beside it (0.83 us per K-tile per SM: two CTAs gain only ~20%);
-//   * the cluster scheduler packs clusters two CTAs per SM where it can: 128 CTAs in clusters
-//     of 4 took 170 us against 149 for 96 in clusters of 3 (150 vs 112 K-tiles each). So a grid
-//     of at most one CTA per SM is launched spread (shared memory for one CTA per SM);
-//   * clusters that cannot all be resident at once run in a second wave: 32 clusters of 8
-//     (256 CTAs for 264 two-per-SM slots) took 179 us against 111 for 32 clusters of 7. The
-//     occupancy API's count of resident clusters says when.
-// A grid of `ctas` that can launch spread: an SM could hold more than one, and the grid fits one per SM.
-inline bool fits_spread(const Occupancy& occ, long long ctas, int num_sms) { return occ.per_sm > 1 && ctas <= num_sms; }
-// Waves of `clusters` clusters of s CTAs: as many at once as the occupancy API counted resident,
-// else the SMs' CTA slots (per_sm each, one when spread) over s.
-inline long long cluster_waves(long long clusters, const Occupancy& occ, int s, bool spread, int num_sms) {
-  const int counted = occ.clusters[s][spread];
-  const long long resident = counted > 0 ? counted : (long long)num_sms * (spread ? 1 : occ.per_sm) / s;
-  return div_up(clusters, resident > 0 ? resident : 1LL);
-}
-// CTAs on the busiest SM of a one-wave grid of `ctas`: one when launched spread, else as many as
-// the grid puts on an SM, at most what fits.
-inline long long busiest_ctas(const Occupancy& occ, long long ctas, int num_sms, bool spread) {
-  const long long per_sm = div_up(ctas, (long long)num_sms);
-  return spread ? 1 : per_sm < occ.per_sm ? per_sm : occ.per_sm;
-}
-
-//   * clusters of 9..16 CTAs pay only where each CTA keeps a long K range: with 16 K-tiles or
-//     more a CTA, 4096x14336 took 30.4 against 35.3 us at M = 32 and 36.5 against 37.9 at
-//     M = 64 (K=4; K = 2 / 5 alike), while 4096x4096 at M = 64 (4-7 K-tiles a CTA) went from
-//     18.5 to 21.4 us with them (bench_gemm.py --path wgmma, KBIT_WGMMA_MAX_SPLITS=16 / 8,
-//     alternated twice in one call; the --sweep-splits table is irregular past 8, so only the
-//     model's pick, not every size, is worth trusting there).
-constexpr int kBigClusterChunk = 16;
-//   * a split CTA pays its reduction on top (`split_cost`, in the same units): at MT = 128,
-//     whose partials are 128 KB a CTA, 4 K-tiles (kSplitCost128). Fitted to forced sweeps
-//     s = 1..16 on 4096x4096, 6144x4096, 4096x14336 and 28672x4096 at M = 256..1000 (K=4,
-//     bench_gemm.py --sweep-splits, 49 cases, bench_gemm_wgmma_splits_m*_9f74899.json): any
-//     cost from 3.5 to 4.8 K-tiles picks the fastest forced split in all 49, a cost of 0 in 40
-//     (28672x4096 at M = 448..768 ran s = 2 at 1.09-1.14x the time of s = 1, 4096x14336 at
-//     M = 704 / 768 s = 8 at 1.14x); tests/test_wgmma_plan.py replays them on the CPU. MT <= 64
-//     keeps the cost 0 its own sweeps were fitted with.
-constexpr int kSplitCost128 = 40;
-inline int choose_splits(long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost,
-                         long long* cost_out = nullptr) {
-  constexpr int kAlone = 10, kShared = 17, kFixed = 3 * kAlone;
-  const int cap = env_int("KBIT_WGMMA_MAX_SPLITS", kMaxSplits);  // tuning: 8 = portable sizes only
-  const int max_s = cap < 1 ? 1 : cap > occ.max_splits ? occ.max_splits : cap;
-  int best = 1;
-  long long best_cost = -1;
-  for (int s = 1; s <= max_s && s <= ku; ++s) {
-    if (s > 1 && div_up(ku, s) < 2) break;  // at least two K-tiles per CTA
-    if (s > kPortableSplits && div_up(ku, s) < kBigClusterChunk) break;
-    const long long ctas = tiles * s;
-    const bool spread = fits_spread(occ, ctas, num_sms);
-    const long long waves = cluster_waves(tiles, occ, s, spread, num_sms);
-    const long long busiest = busiest_ctas(occ, ctas, num_sms, spread);
-    const long long per_cta = div_up(ku, s) * (busiest >= 2 ? kShared : kAlone) + kFixed + (s > 1 ? split_cost : 0);
-    const long long cost = waves * per_cta;
-    if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
-  }
-  if (cost_out != nullptr) *cost_out = best_cost;
-  return best;
-}
-
-// The split of a plan: `forced` (> 0) or choose_splits' pick, clamped to the device's largest
-// cluster and the K-tiles, then the fewest CTAs that keep its K-tiles per CTA (`*chunk`), so no
-// CTA is empty. plan_t and the CPU replay (tests/cpp/wgmma_splits_test.cu) both go through it.
-inline int plan_split(long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost, int forced,
-                      int* chunk, long long* cost_out = nullptr) {
-  int s = forced > 0 ? forced : choose_splits(tiles, ku, num_sms, occ, split_cost, cost_out);
-  s = s < 1 ? 1 : s > occ.max_splits ? occ.max_splits : s > ku ? ku : s;
-  *chunk = div_up(ku, s);
-  return div_up(ku, *chunk);
-}
-
-// Split-K over G > 1 clusters of c CTAs each, the clusters' sums added through a global
-// workspace (the kernel's epilogue): for layers whose few tiles leave SMs idle at one CTA per SM
-// because the clusters that would fill them do not all fit. The H200 holds 30 clusters of 4
-// (of 132 SMs), so the 32 tiles of 4096 columns at 129..256 tokens ran as clusters of 3 on 96
-// SMs; as two clusters of 2 a tile they take 128. Each CTA then writes its slice of the tile's
-// cluster sum (128 KB / c at MT = 128) and the last of the G reads G of them: kGroupSliceCost
-// per 128 KB in choose_splits' units, as much as a cluster's own reduction (kSplitCost128).
-// Measured on the H200 (8B decode graph, K=4, alternated twice in one call, docs/MMA.md): at
-// M = 256, 4096x14336 took 71.8 / 74.3 -> 67.0 / 66.2 us as two clusters of 2; a probe build
-// had 4096x4096 at 27.8 -> 28.4 (its reduction weighs more against its shorter K range). With
-// this cost the plan groups the first and not the second. Only at MT = 128 (one CTA per SM), never past one wave, never with a
-// forced split; KBIT_WGMMA_GROUPS = 1 turns it off, = G >= 2 forces G (tuning and tests).
-// Not at the 64-token tiles built for one CTA per SM either: 4096x14336 at 33..64 tokens as
-// four clusters of 2 a tile took 31.5 -> 31.9 us in the decode graph (one call, alternated
-// twice, docs/MMA.md), once the slice's stores were waited for before the counter moved.
-constexpr int kGroupSliceCost = 40;
-inline int choose_groups(long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost, int s,
-                         int* c_out, long long* cost_out = nullptr) {
-  constexpr int kAlone = 10, kFixed = 3 * kAlone;  // choose_splits' units, one CTA per SM
-  const auto cost = [&](int c, int g) -> long long {
-    const long long waves = cluster_waves(tiles * g, occ, c, false, num_sms);
-    return waves * (div_up(ku, c * g) * kAlone + kFixed + (c * g > 1 ? split_cost : 0) +
-                    (g > 1 ? kGroupSliceCost * (g + 1) / c : 0));
-  };
-  long long best = cost(s, 1);
-  int best_g = 1;
-  *c_out = s;
-  for (int c = 1; c <= kPortableSplits; ++c)
-    for (int g = 2; c * g <= kMaxSplits && tiles * c * g <= num_sms; ++g) {
-      const int chunk = div_up(ku, c * g);
-      if (chunk < 2 || (long long)(c * g - 1) * chunk >= ku) break;  // no CTA without K-tiles
-      const long long v = cost(c, g);
-      if (v < best) best = v, best_g = g, *c_out = c;
-    }
-  if (cost_out != nullptr) *cost_out = best;
-  return best_g;
-}
-
-// 256-token tiles (Cfg::kTall: 128 columns) or the 128-token plan, by choose_splits' cost in its
-// units: a tall CTA's K-tile costs kTallK / 10 of choose_splits' units (0.88 of a lone 128-token
-// CTA's K-tile at kAlone = 10), and no fixed cost unsplit. Never where the last token tile holds 64 rows
-// or fewer: those ran far slower than a full tile on the same grid (57344x8192 at M = 320 844 us
-// against 653 at M = 448, 8192x28672 471 against 311; the rows past M, docs/MMA.md). Fitted on
-// the H200 to a sweep of both forced, eight shapes, M = 320..1000 (K=4; tests/test_wgmma_plan.py
-// replays it): the pick runs within 4% of the faster everywhere except five cases where the
-// 128-token plan it keeps is 5-16% slower.
-// One tile from 192 rows: at M = 192..256 the same cost model takes it on the wide layers
-// (28672x4096 99.5 against 109.4 us at M = 192, 57344x8192 382 / 397; the 8B step 0.94-0.97x at
-// K = 2..5, the 70B layers' 0.93x), while at M = 160 the tall tile ran slower there (118 / 108,
-// 451 / 396 us; the step 1.07x): the rows past M again, whose TMA zero fill is what costs (two
-// probes that skip them, docs/MMA.md; H200, tall_one_tile_probe_2535e04.json).
-// Split along K (thirty-sixth session): where the unsplit tall grid leaves SMs idle (fewer than
-// two waves of tall CTAs) the tall CTAs may run in clusters of 2..kTallMaxSplits along K, reduced
-// through distributed shared memory as the 128-token CTAs' splits are, at a cost of
-// kTallSplitCost + split_cost units a CTA besides its K-tiles, over the waves of clusters that fit
-// (occupancy), against the 128-token plan's cost with its cluster groups where choose_groups
-// takes them (they keep 4096x14336 at M = 192..256 at 128 tokens: 60.8 us against the tall
-// split's 63.7 at 256). Before, the 128-token plan's split won there (4096x4096 and 4096x14336 at M = 512:
-// 64 tall CTAs, 50.3 / 152.1 us against 38.6 / 103.1). Sweep of s = 1, 2, 3, 4, 6, 8 forced on
-// eight shapes, M = 192..1000, K=4 (bench_gemm_wgmma_tall_split_sweep_cc915a1.json; H200; us,
-// the plan before / the split): 4096x4096 M = 256 28.9 / 27.3 (s = 3), 512 37.2 / 34.8 (s = 2);
-// 6144x4096 M = 256 36.3 / 34.2; 4096x14336 M = 512 102.6 / 92.6; 8192x8192 M = 768 180.5 / 163.6;
-// 10240x8192 M = 512 177.9 / 161.1; 8192x28672 M = 256 191.4 / 173.5, 768 610.1 / 526.5. Clusters
-// of 4 or more were never the fastest (the H200 holds 30 of 4), and where the model took them
-// (10240x8192 at M = 192..256, three waves of clusters of 4) they ran 4-5% slower than unsplit:
-// hence kTallMaxSplits = 3. The pick runs within 4% of the fastest forced configuration on all
-// 56 cases but 4096x4096 at M = 384 (5%; tests/test_wgmma_plan.py replays it). Decode steps, split
-// against KBIT_WGMMA_TALL_SPLIT=0, alternated twice in one call (bench_decode_tall_split_ab_*.json):
-// Llama-3-8B 0.95-0.98x at M = 192..512 (K = 2..5), 1.00x at 768 and 1000; the 70B layers (16,
-// K=4) 0.96-0.99x at M = 192..768, 1.00x at 1000.
-// KBIT_WGMMA_TALL_MIN_M overrides the 192 (A/B);
-// KBIT_WGMMA_TILE_M = 256 / 128 forces either tile (tile_m); forced 256-token tiles run unsplit
-// unless the split is forced too.
-constexpr int kTallMinM = 192;
-constexpr int kTallK = 88;  // tenths of choose_splits' units
-// a split tall CTA's cost besides its K-tiles and its reduction (split_cost), in choose_splits'
-// units: its kFixed (pipeline fill, table)
-constexpr int kTallSplitCost = 30;
-constexpr int kTallMaxSplits = 3;
-// A split must cost under kTallSplitGain / 10 of the unsplit tall plan: the model overrates the
-// split where the unsplit grid fills the SMs already (6144x4096 at M = 1000, two waves of 96 + 96
-// CTAs: 6% predicted for clusters of 2, 2% measured alone, and the 8B decode step 1.1-1.6% slower
-// at K = 2..4 with it; 8192x8192 at M = 768: 16% predicted, 9% measured).
-constexpr int kTallSplitGain = 9;
-// Returns 0 for the 128-token plan, else the tall plan's split (1: unsplit).
-// allow_split: plan_t passes m <= wgmma_short_max_m, so above it (where the tile picks
-// kbit::gemm's path, auto_path) the plan is the unsplit model the path rule was measured with.
-inline int choose_tall(int m, int n, int ku, int num_sms, const Occupancy& occ128, const Occupancy& occ_tall,
-                       int split_cost, bool allow_split = true) {
-  if (m < env_int("KBIT_WGMMA_TALL_MIN_M", kTallMinM) || m - 256 * (div_up(m, 256) - 1) <= 64) return 0;
-  const long long tiles128 = (long long)div_up(n_units(n), 256 / kUnitN) * div_up(m, 128);
-  const long long tiles_tall = (long long)div_up(n_units(n), 128 / kUnitN) * div_up(m, 256);
-  // the 128-token plan: its split, or cluster groups where plan_t would take them
-  long long cost128 = 0;
-  int chunk = 0;
-  const int s128 = plan_split(tiles128, ku, num_sms, occ128, split_cost, 0, &chunk, &cost128);  // as plan_t
-  if (env_int("KBIT_WGMMA_GROUPS", 0) == 0) {
-    long long cost_g = cost128;
-    int c = s128;
-    choose_groups(tiles128, ku, num_sms, occ128, split_cost, s128, &c, &cost_g);
-    cost128 = cost_g < cost128 ? cost_g : cost128;
-  }
-  const long long unsplit = div_up(tiles_tall, (long long)num_sms) * ku * kTallK;  // tenths of units
-  long long best = unsplit;
-  int best_s = 1;
-  if (allow_split && tiles_tall < 2 * num_sms && env_int("KBIT_WGMMA_TALL_SPLIT", 1) != 0) {
-    const int over = env_int("KBIT_WGMMA_TALL_SPLIT_COST", kTallSplitCost + split_cost);
-    for (int s = 2; s <= kTallMaxSplits && div_up(ku, s) >= 2; ++s) {
-      const long long waves = cluster_waves(tiles_tall, occ_tall, s, false, num_sms);
-      const long long cost = waves * (div_up(ku, s) * kTallK + 10LL * over);
-      if (cost < best && cost * 10 < unsplit * kTallSplitGain) best = cost, best_s = s;
-    }
-  }
-  return best < cost128 * 10 ? best_s : 0;
-}
-
-// Debug overrides for tuning, read on every call, unset in production:
-// KBIT_WGMMA_TILE_M = 16 | 32 | 64 | 128 | 256, KBIT_WGMMA_WIDE = 1 (512-column CTAs at tiles <= 64),
-// KBIT_WGMMA_SPREAD = 0 (never launch spread), KBIT_WGMMA_ROWSPLIT = 1 | 2 (at MT = 32) and
-// KBIT_WGMMA_MAX_SPLITS = 1..16 (the largest cluster choose_splits considers),
-// KBIT_WGMMA_SPLIT_COST = 0.. (choose_splits' reduction cost at MT = 128; 0 = the plan before it),
-// KBIT_WGMMA_GROUPS = 1 | G (choose_groups), KBIT_WGMMA_Y_TMA = 0 (unsplit calls store y
-// element by element instead of through shared memory and TMA; A/B and the tests),
-// KBIT_WGMMA_TALL_MIN_M (choose_tall's first M), KBIT_WGMMA_TALL_SPLIT = 0 (the tall CTAs unsplit,
-// as before they could split; A/B), KBIT_WGMMA_TALL_SPLIT_COST (choose_tall's cost of a split tall
-// CTA besides its K-tiles). Above wgmma_short_max_m the tile they give also
-// picks kbit::gemm's path (auto_path: wgmma only at 256-token tiles).
-// (256-token tiles: plan_t asks choose_tall where this gives 128)
-inline int tile_m(int m) {
-  const int t = env_int("KBIT_WGMMA_TILE_M", 0);
-  if (t == 16 || t == 32 || t == 64 || t == 128 || t == 256) return t;
-  return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
-}
-
 // The instantiations a plan can pick, (MT, CN, R, CPS): 512-column CTAs without a row split, one
 // per SM; R = 1 at MT = 16; R = 1 or 2 at MT = 32; R = 2 at MT = 64 (two or one per SM) and 128
 // (one per SM). Calls f(MT, CN, R, CPS) with the one the plan names, as integral constants (the
 // single list both the occupancy queries and the launch go through).
 template <int V> using IntC = std::integral_constant<int, V>;
-template <typename F> decltype(auto) with_instantiation(int mt, int cn, int rs, int cps, F&& f) {
+template <typename F> decltype(auto) with_instantiation(int mt, int columns, int row_split, int built_per_sm, F&& f) {
   if (mt == 256) return f(IntC<256>{}, IntC<128>{}, IntC<2>{}, IntC<1>{});
-  if (cn == 512) {
+  if (columns == 512) {
     if (mt == 16) return f(IntC<16>{}, IntC<512>{}, IntC<1>{}, IntC<1>{});
     if (mt == 32) return f(IntC<32>{}, IntC<512>{}, IntC<1>{}, IntC<1>{});
     return f(IntC<64>{}, IntC<512>{}, IntC<1>{}, IntC<1>{});
@@ -1193,146 +944,46 @@ template <typename F> decltype(auto) with_instantiation(int mt, int cn, int rs, 
   switch (mt) {
     case 16: return f(IntC<16>{}, IntC<256>{}, IntC<1>{}, IntC<2>{});
     case 32:
-      return rs == 2 ? f(IntC<32>{}, IntC<256>{}, IntC<2>{}, IntC<2>{}) : f(IntC<32>{}, IntC<256>{}, IntC<1>{}, IntC<2>{});
-    case 64: return cps == 1 ? f(IntC<64>{}, IntC<256>{}, IntC<2>{}, IntC<1>{}) : f(IntC<64>{}, IntC<256>{}, IntC<2>{}, IntC<2>{});
+      return row_split == 2 ? f(IntC<32>{}, IntC<256>{}, IntC<2>{}, IntC<2>{}) : f(IntC<32>{}, IntC<256>{}, IntC<1>{}, IntC<2>{});
+    case 64: return built_per_sm == 1 ? f(IntC<64>{}, IntC<256>{}, IntC<2>{}, IntC<1>{}) : f(IntC<64>{}, IntC<256>{}, IntC<2>{}, IntC<2>{});
     default: return f(IntC<128>{}, IntC<256>{}, IntC<2>{}, IntC<1>{});
   }
 }
 
-template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int cn, int rs, int cps) {
-  return with_instantiation(mt, cn, rs, cps, [](auto m, auto c, auto r, auto q) -> const Occupancy& {
+template <int BITS, typename T> const Occupancy& occupancy_for(int mt, int columns, int row_split, int built_per_sm) {
+  return with_instantiation(mt, columns, row_split, built_per_sm, [](auto m, auto c, auto r, auto q) -> const Occupancy& {
     return occupancy<BITS, decltype(m)::value, decltype(c)::value, decltype(r)::value, decltype(q)::value, T>();
   });
 }
 
-// One CTA per SM at MT = 64 (Cfg CPS = 1): the producer warpgroup, the wide table at K = 3, 4
-// and eight stages, where two CTAs per SM hold four stages and the packed table. Measured on the
-// H200 (scripts/wgmma_dev.py base against a build of MT = 64 at one per SM, K=4 fp16, L2 flushed,
-// forced splits 1..12 and each plan's own, one call, 2476a70; us at M = 64, two per SM / one):
-// 4096x14336 36.5 / 34.2, 4096x4096 18.1 / 16.7, 6144x4096 21.5 / 19.6, 28672x4096 49.9 / 49.6,
-// 57344x8192 162.3 / 176.9, 8192x28672 88.6 / 105.4 (its best split 106.4). A lone CTA runs a K-tile
-// in ~0.69 us, each of two sharing an SM in ~1.27 (0.64 per SM), so one per SM wins only where
-// it gives no SM more K-tiles than the two-per-SM plan's busiest SM (fewer, longer splits: less
-// cluster reduction and pipeline fill per K-tile) and runs in one wave: layers with few column
-// groups. And only where it is `deeper` (more stages than two per SM have: K = 3..5, whose
-// tables and units leave those 4-6; at K=2 both have 8, and one per SM took Llama-3-8B's
-// gate_up 1.05-1.08x the time at M = 33..64, docs/MMA.md).
-// Given the two-per-SM plan (occ2, split *s, *chunk K-tiles a CTA, launched spread or not),
-// returns whether to take one per SM, and then its own split in *s and *chunk (a forced split
-// stays). KBIT_WGMMA_ONE = 0 / 1 forces it off / on at MT = 64 (tuning and tests). plan_t and
-// the CPU replay (tests/cpp/wgmma_splits_test.cu) both go through it.
+// Whether the 64-token tile built for one CTA per SM has more pipeline stages than the one built
+// for two (dispatch/wgmma_plan.h, one_per_sm): true at K = 3..5, whose tables and units leave
+// two CTAs per SM 4-6 stages.
 template <int BITS> constexpr bool one_per_sm_deeper() {
   return Cfg<BITS, 64, 256, 2, 1>::kStages > Cfg<BITS, 64, 256, 2, 2>::kStages;
 }
-inline bool one_per_sm(long long tiles, int ku, int num_sms, const Occupancy& occ2, const Occupancy& occ1, int forced,
-                       bool deeper, bool spread, int* s, int* chunk) {
-  const int force = env_int("KBIT_WGMMA_ONE", -1);
-  if (force == 0 || (force != 1 && !deeper)) return false;
-  int chunk1 = 0;
-  const int s1 = plan_split(tiles, ku, num_sms, occ1, 0, forced, &chunk1);
-  const int resident = occ1.clusters[s1][0];  // clusters of s1 that fit at once
-  const bool take = force == 1 || (tiles * s1 <= num_sms && resident >= tiles &&
-                                   chunk1 <= busiest_ctas(occ2, tiles * *s, num_sms, spread) * *chunk);
-  if (take) *s = s1, *chunk = chunk1;
-  return take;
-}
 
-// Row split (Cfg) of a 256-column CTA. Measured on the H200 (wgmma_dev.py, K=4 fp16, L2
-// flushed, R = 1 against 2 in the same call, us; and decode steps of bench_decode.py):
-//   * MT = 64: R = 2 is never slower at K=4: 4096x4096 20.6 -> 18.0, 4096x14336 41.2 -> 37.5,
-//     28672x4096 51.8 -> 49.8, 57344x8192 161.8 -> 161.4, 8192x28672 88.6 -> 88.6 (K = 2, 3, 5
-//     not measured with R = 1 here).
-//   * MT = 32: R = 2 wins where a CTA runs few K-tiles (4096x14336, 38 per CTA: 36.0 -> 34.8;
-//     4096x4096, 11: 17.4 -> 17.0) and loses where it runs many (57344x8192, 128: 134.0 ->
-//     138.8; 8192x28672, 64: 74.0 -> 76.5), so R = 2 up to kShortChunk K-tiles. The 8B decode
-//     step at M = 32 (every layer <= 38 per CTA), R = 1 -> 2: K=2 2862 -> 2745, K=3 3423 ->
-//     3271, K=4 3169 -> 3135, K=5 4281 -> 4158 us.
-//   * MT = 16 (forced paths only since the GEMV serves M <= 16; measured when dispatch sent
-//     layers of >= one slab per SM at 8 < M <= 16 here): R = 1.
-//     The same step at M = 16 (28672x4096 on this kernel), R = 2 -> 1: K=2 2725 -> 2362,
-//     K=4 2579 -> 2543 us (K=3, K=5 within 0.6%).
-//   * R = 4 (one 512-thread CTA per SM, one row tile per warpgroup; a probe build) was slower
-//     wherever a grid needs more than one wave: 57344x8192 at M = 64 161.8 -> 230.0 us.
-constexpr int kShortChunk = 48;
-
-// 512-column CTAs (two warpgroups sharing one x tile) halve the x traffic per weight but halve
-// the CTA count. With x loaded by cp.async they were 5-7% faster at M = 32..64 on 57344x8192
-// and 28672x4096; since the TMA loads (538d5d1) 256-column CTAs are equal or faster on all six
-// benchmark shapes at M = 16, 32, 64 (57344x8192 M = 64: 161.9 vs 170.0 us, 28672x4096: 50.8
-// vs 55.2; bench_gemm.py with KBIT_WGMMA_WIDE=0 / 1 / unset, same call, H200). So the plan
-// takes them only when forced (KBIT_WGMMA_WIDE=1, for tuning and the tests).
-//
-// The plan of one call: [tile_m, splits (CTAs per cluster), grid x (splits x cluster groups),
-// grid y (token tiles), grid z (column groups), columns per CTA, CTAs per SM the launch allows
-// (1 when spread or built for one), row split, CTAs per SM the kernel is built for
-// (one_per_sm), cluster groups (choose_groups)]. `splits` > 0 forces the
-// split factor (clamped to 1..min(the device's largest cluster: 16, or 8 without non-portable
-// sizes; K-tiles)).
-template <int BITS, typename T> void plan_t(Params& p, int splits, int num_sms, int* out) {
-  int mt = tile_m(p.m);
-  const int cost128 = env_int("KBIT_WGMMA_SPLIT_COST", kSplitCost128);  // the split cost at MT = 128
-  const int groups_env = env_int("KBIT_WGMMA_GROUPS", 0);  // cluster groups: 0 = choose_groups
-  // the tall CTA splits K in one cluster only: forced cluster groups keep 128 tokens
-  const bool forced_split = splits > 1 || groups_env >= 2;
-  if (mt == 256 && groups_env >= 2) mt = 128;
-  int tall_split = 1;  // forced 256-token tiles: unsplit unless the split is forced too
-  if (mt == 128 && splits == 0 && !forced_split && env_int("KBIT_WGMMA_TILE_M", 0) == 0) {
-    const int t = choose_tall(p.m, p.n, p.ku_count, num_sms, occupancy_for<BITS, T>(128, 256, 2, 1),
-                              occupancy_for<BITS, T>(256, 128, 2, 1), cost128, p.m <= wgmma_short_max_m(BITS));
-    if (t > 0) mt = 256, tall_split = t;
-  }
-  const int gz = div_up(p.m, mt);
-  const int cn = mt == 256 ? 128 : mt <= 64 && env_int("KBIT_WGMMA_WIDE", 0) == 1 ? 512 : 256;
-  const int gy = div_up(n_units(p.n), cn / kUnitN);
-  const long long tiles = (long long)gy * gz;
-  // the split from R = 1's occupancy at MT <= 32 (the same two CTAs per SM as R = 2)
-  const int rs_split = cn == 512 || mt <= 32 ? 1 : 2;
-  const Occupancy& occ_split = occupancy_for<BITS, T>(mt, cn, rs_split, default_cps(mt, cn, rs_split));
-  const int split_cost = mt == 128 ? cost128 : 0;
-  int s = plan_split(tiles, p.ku_count, num_sms, occ_split, split_cost, mt == 256 && splits == 0 ? tall_split : splits, &p.chunk);
-  int rs = cn == 512 || mt == 16 ? 1 : mt >= 64 || p.chunk <= kShortChunk ? 2 : 1;
-  const int rs_force = env_int("KBIT_WGMMA_ROWSPLIT", 0);
-  if (cn == 256 && mt == 32 && (rs_force == 1 || rs_force == 2)) rs = rs_force;
-  int cps = default_cps(mt, cn, rs);
-  const Occupancy& occ = occupancy_for<BITS, T>(mt, cn, rs, cps);
-  bool spread = fits_spread(occ, tiles * s, num_sms) && env_int("KBIT_WGMMA_SPREAD", 1) != 0;
-  if (mt == 64 && cn == 256 &&
-      one_per_sm(tiles, p.ku_count, num_sms, occ, occupancy_for<BITS, T>(64, 256, 2, 1), splits,
-                 one_per_sm_deeper<BITS>(), spread, &s, &p.chunk))
-    cps = 1, spread = false;
-  // cluster groups (choose_groups): s becomes the cluster size, the grid s x groups along K
-  int groups = 1;
-  if (groups_env >= 2) {
-    groups = groups_env;
-  } else if (groups_env == 0 && splits == 0 && mt == 128) {  // one CTA per SM
-    groups = choose_groups(tiles, p.ku_count, num_sms, occ_split, split_cost, s, &s);
-  }
-  // (a forced G: at most what leaves every CTA a K-tile)
-  while (groups > 1 && (long long)(s * groups - 1) * div_up(p.ku_count, s * groups) >= p.ku_count) --groups;
-  if (groups > 1) {
-    p.chunk = div_up(p.ku_count, s * groups);
-    spread = false;
-  }
-  p.groups = groups;
-  out[0] = mt; out[1] = s; out[2] = s * groups; out[3] = gz; out[4] = gy; out[5] = cn;
-  out[6] = spread || cps == 1 ? 1 : occ.per_sm; out[7] = rs; out[8] = cps; out[9] = groups;
-}
-
-// Workspace of a plan (plan_t's out[]): none without cluster groups; else a counter per tile and
-// cluster rank (256 B steps), then each group's fp32 sum of every tile.
-inline size_t group_counters(const int* pl) { return pl[9] > 1 ? size_t(pl[3]) * pl[4] * pl[1] : 0; }
-inline size_t group_counter_bytes(const int* pl) { return (group_counters(pl) * sizeof(int) + 255) / 256 * 256; }
-inline size_t workspace_bytes(const int* pl) {
-  return pl[9] > 1 ? group_counter_bytes(pl) + size_t(pl[3]) * pl[4] * pl[9] * pl[5] * pl[0] * sizeof(float) : 0;
-}
-
+// The plan of one call with this bit width's and dtype's instantiations' occupancy.
 template <int BITS, typename T>
-cudaError_t launch_t2(Params p, int splits, int num_sms, cudaStream_t stream, int* plan) {
-  int local[kPlanInts];
-  int* pl = plan != nullptr ? plan : local;
-  plan_t<BITS, T>(p, splits, num_sms, pl);
-  if (plan != nullptr && p.x == nullptr) return cudaSuccess;  // plan query only
-  if (p.groups > 1) {  // the workspace (p.partial): counters, then the clusters' sums (workspace_bytes)
+WgmmaPlan plan_typed(int m, int n, int k, int num_sms, int splits, bool pdl, const WgmmaOverrides& o) {
+  WgmmaTarget t;
+  t.bits = BITS;
+  t.num_sms = num_sms;
+  t.one_per_sm_deeper = one_per_sm_deeper<BITS>();
+  t.pdl = pdl;
+  return plan_wgmma(m, n, k, splits, t, o, [](int mt, int columns, int row_split, int built_per_sm) -> const Occupancy& {
+    return occupancy_for<BITS, T>(mt, columns, row_split, built_per_sm);
+  });
+}
+
+// Launch the plan's instantiation. With cluster groups the workspace holds the group counters
+// (unless the caller's zeroed counters serve: p.counters) and then the groups' sums.
+template <int BITS, typename T>
+cudaError_t launch_typed(Params p, const WgmmaPlan& pl, cudaStream_t stream) {
+  p.chunk = pl.chunk;
+  p.groups = pl.groups;
+  p.pdl = pl.pdl;
+  if (pl.groups > 1) {
     if (p.partial == nullptr) return cudaErrorInvalidValue;
     const size_t counter_bytes = group_counter_bytes(pl);
     if (p.counters == nullptr || group_counters(pl) > size_t(kWgmmaZeroedCounters)) {
@@ -1342,23 +993,30 @@ cudaError_t launch_t2(Params p, int splits, int num_sms, cudaStream_t stream, in
     }  // else the caller's counters, zero and left zero by every launch (self-reset)
     p.partial = reinterpret_cast<float4*>(reinterpret_cast<char*>(p.partial) + counter_bytes);
   }
-  const bool spread = pl[6] == 1 && occupancy_for<BITS, T>(pl[0], pl[5], pl[7], pl[8]).per_sm > 1;
-  if (pl[0] == 256 && pl[2] > 1)  // the tall CTAs split along K: their own build (kSplitTall)
-    return launch_t<BITS, 256, 128, 2, 1, T, true>(p, pl[2], false, stream);
-  return with_instantiation(pl[0], pl[5], pl[7], pl[8], [&](auto m, auto c, auto r, auto q) {
-    return launch_t<BITS, decltype(m)::value, decltype(c)::value, decltype(r)::value, decltype(q)::value, T>(
-        p, pl[2], spread, stream);  // grid x: the split x the cluster groups
+  if (pl.tile_m == 256 && pl.grid_x() > 1)  // the tall CTAs split along K: their own build (kSplitTall)
+    return launch_instantiation<BITS, 256, 128, 2, 1, T, true>(p, pl.grid_x(), false, pl.y_tma, stream);
+  return with_instantiation(pl.tile_m, pl.columns, pl.row_split, pl.built_per_sm, [&](auto m, auto c, auto r, auto q) {
+    return launch_instantiation<BITS, decltype(m)::value, decltype(c)::value, decltype(r)::value, decltype(q)::value,
+                                T>(p, pl.grid_x(), pl.spread, pl.y_tma, stream);
   });
 }
 
-// Entry point of one bit width (instantiated in generated/wgmma_k<BITS>.cu). With `plan`
-// non-null and x null, only fills the plan.
+// Entry points of one bit width (instantiated in wgmma/instantiations/wgmma_k<BITS>.cu).
 template <int BITS>
-cudaError_t launch_bits(DType dtype, const Params& p, int splits, int num_sms, cudaStream_t stream, int* plan) {
-  if (dtype == DType::kHalf) return launch_t2<BITS, __half>(p, splits, num_sms, stream, plan);
-  if (dtype == DType::kBFloat16) return launch_t2<BITS, __nv_bfloat16>(p, splits, num_sms, stream, plan);
+WgmmaPlan plan_bits(DType dtype, int m, int n, int k, int num_sms, int splits, bool pdl, const WgmmaOverrides& o) {
+  if (dtype == DType::kBFloat16) return plan_typed<BITS, __nv_bfloat16>(m, n, k, num_sms, splits, pdl, o);
+  return plan_typed<BITS, __half>(m, n, k, num_sms, splits, pdl, o);
+}
+template <int BITS>
+cudaError_t launch_bits(DType dtype, const Params& p, const WgmmaPlan& plan, cudaStream_t stream) {
+  if (dtype == DType::kHalf) return launch_typed<BITS, __half>(p, plan, stream);
+  if (dtype == DType::kBFloat16) return launch_typed<BITS, __nv_bfloat16>(p, plan, stream);
   return cudaErrorInvalidValue;
 }
+
+#define KBIT_WGMMA_INSTANTIATE_BITS(BITS)                                                                   \
+  template WgmmaPlan plan_bits<BITS>(DType, int, int, int, int, int, bool, const WgmmaOverrides&);         \
+  template cudaError_t launch_bits<BITS>(DType, const Params&, const WgmmaPlan&, cudaStream_t)
 
 }  // namespace wg
 }  // namespace kbit
