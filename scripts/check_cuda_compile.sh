@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 NVCC="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
 [ -x "$NVCC" ] || { echo "check_cuda_compile: nvcc not found (set NVCC)"; exit 1; }
 OUTDIR="$(mktemp -d)"; trap 'rm -rf "$OUTDIR"' EXIT
+python3 csrc/generate_instantiations.py --check  # the per-bit-width files are what the script writes
 shopt -s nullglob
 mapfile -t SOURCES < <(find csrc -name "*.cu" | sort)
 [ ${#SOURCES[@]} -gt 0 ] || { echo "check_cuda_compile: no .cu sources"; exit 0; }

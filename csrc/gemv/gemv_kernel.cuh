@@ -485,7 +485,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<MT, W>())) gemv_kernel(con
 
 // Launch one instantiation; `splits` >= 1 already chosen (and 1 below sm_90).
 template <int BITS, int MT, typename T, int W, bool kWide = false, bool kXs = false, int G = 0>
-cudaError_t launch_t(const Params& p, int splits, cudaStream_t stream) {
+cudaError_t launch_kernel(const Params& p, int splits, cudaStream_t stream) {
   using S = Smem<BITS, MT, W, kWide, kXs, G>;
   constexpr auto kernel = gemv_kernel<BITS, MT, T, W, kWide, kXs, G>;
   if constexpr (S::kBytes > 48 * 1024) {
@@ -522,9 +522,9 @@ template <int BITS, int MT, typename T, int W, bool kXs = false>
 cudaError_t launch_alone(const Params& p, int splits, bool wide_table, cudaStream_t stream) {
   if constexpr (wide_lut<BITS, MT, W>()) {
     if (wide_table && device_fits<Smem<BITS, MT, W, true, kXs>>())
-      return launch_t<BITS, MT, T, W, true, kXs>(p, splits, stream);
+      return launch_kernel<BITS, MT, T, W, true, kXs>(p, splits, stream);
   }
-  return launch_t<BITS, MT, T, W, false, kXs>(p, splits, stream);
+  return launch_kernel<BITS, MT, T, W, false, kXs>(p, splits, stream);
 }
 
 // x resident: 16-warp CTAs of G slabs (one of kXrSlabs), or 15-warp CTAs of 15 (kXrFillSlabs).
@@ -537,9 +537,9 @@ cudaError_t launch_xr_g(const Params& p, int splits, bool wide_table, cudaStream
   if constexpr (Traits<BITS>::kLutEntries > 0 && G != 2) {  // (G = 2 with the wide rows: not measured)
     using Wide = Smem<BITS, MT, W, true, true, G>;
     if (wide_table && p.chunk <= Wide::kXrUnits && device_fits<Wide>())
-      return launch_t<BITS, MT, T, W, true, true, G>(p, splits, stream);
+      return launch_kernel<BITS, MT, T, W, true, true, G>(p, splits, stream);
   }
-  return launch_t<BITS, MT, T, W, false, true, G>(p, splits, stream);
+  return launch_kernel<BITS, MT, T, W, false, true, G>(p, splits, stream);
 }
 
 template <int BITS, int MT, typename T>
@@ -554,7 +554,7 @@ cudaError_t launch_xr(const Params& p, int splits, int slabs, bool wide_table, c
 }
 
 template <int BITS, typename T>
-cudaError_t launch_dt(const Params& p, const GemvPlan& pl, cudaStream_t stream) {
+cudaError_t launch_typed(const Params& p, const GemvPlan& pl, cudaStream_t stream) {
   const int splits = pl.splits, warps = pl.warps;
   if (pl.slabs > 0)  // x resident (the plan checked the device for it)
     return p.m > kGemvOneTileM ? launch_xr<BITS, 2, T>(p, splits, pl.slabs, pl.wide_table, stream)
@@ -563,14 +563,14 @@ cudaError_t launch_dt(const Params& p, const GemvPlan& pl, cudaStream_t stream) 
     // 16 (or 4, four per SM) warps with x through shared memory where the device lets a CTA
     // have the ring, else the 8-warp register kernel
     if (pl.x_smem && device_fits<Smem<BITS, 2, kWideWarps, false, true>>()) {
-      if (warps == kNarrowWarps) return launch_t<BITS, 2, T, kNarrowWarps, false, true>(p, splits, stream);
+      if (warps == kNarrowWarps) return launch_kernel<BITS, 2, T, kNarrowWarps, false, true>(p, splits, stream);
       return launch_alone<BITS, 2, T, kWideWarps, true>(p, splits, pl.wide_table, stream);
     }
     return launch_alone<BITS, 2, T, kWarps>(p, splits, pl.wide_table, stream);
   }
   if (warps == kWideWarps) return launch_alone<BITS, 1, T, kWideWarps>(p, splits, pl.wide_table, stream);
-  if (warps == kNarrowWarps) return launch_t<BITS, 1, T, kNarrowWarps>(p, splits, stream);
-  return launch_t<BITS, 1, T, kWarps>(p, splits, stream);
+  if (warps == kNarrowWarps) return launch_kernel<BITS, 1, T, kNarrowWarps>(p, splits, stream);
+  return launch_kernel<BITS, 1, T, kWarps>(p, splits, stream);
 }
 
 // Entry point of one bit width (instantiated in gemv/instantiations/gemv_k<BITS>.cu): the plan's
@@ -580,8 +580,8 @@ cudaError_t launch_dt(const Params& p, const GemvPlan& pl, cudaStream_t stream) 
 // of that many slabs, x resident (xr_warps).
 template <int BITS>
 cudaError_t launch_bits(DType dtype, const Params& p, const GemvPlan& plan, cudaStream_t stream) {
-  if (dtype == DType::kHalf) return launch_dt<BITS, __half>(p, plan, stream);
-  if (dtype == DType::kBFloat16) return launch_dt<BITS, __nv_bfloat16>(p, plan, stream);
+  if (dtype == DType::kHalf) return launch_typed<BITS, __half>(p, plan, stream);
+  if (dtype == DType::kBFloat16) return launch_typed<BITS, __nv_bfloat16>(p, plan, stream);
   return cudaErrorInvalidValue;
 }
 
