@@ -91,7 +91,7 @@ def cuda_extension():
         return [], {}
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
     archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu") + glob.glob("csrc/generated/*.cu") + glob.glob("csrc/moe/*.cu"))
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/**/*.cu", recursive=True))
     if not sources:
         return [], {}
     write_build_info(True, why, ";".join(a for a in archs if a))
@@ -100,7 +100,6 @@ def cuda_extension():
             "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
             "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
             "--threads", "4"]
-    nvcc += os.environ.get("KBIT_NVCC_FLAGS", "").split()  # dev probes, e.g. -DKBIT_DEV_NO_TRANSPOSE
     if any(a.startswith("9.0a") for a in archs):
         nvcc.append("-DKBIT_HAS_SM90A")  # the wgmma kernel's sm_90a code is in this build
     ext = CUDAExtension(

@@ -9,6 +9,7 @@ vLLM is importable.
   python3 benchmarks/bench_decode.py [--ms 1,16] [--bits 2,4] [--per-shape] [--out DIR]
   python3 benchmarks/bench_decode.py --kbit-paths gemv:1,gemv:2,wgmma:0 --no-baselines   # forced path:splits
   python3 benchmarks/bench_decode.py --between   # an elementwise kernel writes x before each GEMM
+  python3 benchmarks/bench_decode.py --overrides pdl=0   # plan overrides on every kbit call (A/B)
   python3 benchmarks/bench_decode.py --model qwen2.5-7b   # another model's layer shapes
   python3 benchmarks/bench_decode.py --model llama3-70b --layers 16 --no-baselines   # fewer layers: 70B's fit one GPU
   python3 benchmarks/bench_decode.py --peers all --bits 2,3,4 --ms 1,16,64,256   # + GemLite, tinygemm, vLLM
@@ -81,12 +82,12 @@ def between(calls):
     return [(lambda t, fn=fn: fn(t.mul_(1.0)), k) for fn, k in calls]
 
 
-def make(method, n, k, bits, peers=None):
+def make(method, n, k, bits, peers=None, overrides=""):
     if peers and method in peers:
         return pe.make(peers[method], n, k)
     if method.startswith("kbit"):  # kbitB or kbitB-PATH:SPLITS (a forced path, tuning)
         path, splits = (method.split("-", 1)[1].split(":") + ["0"])[:2] if "-" in method else ("auto", "0")
-        return bg.kbit_method(n, k, bits, bg.PATHS[path], int(splits))
+        return bg.kbit_method(n, k, bits, bg.PATHS[path], int(splits), overrides)
     return {"cublas-fp16": lambda: bg.cublas_method(n, k), "marlin-g128": lambda: bg.marlin_method(n, k, 128),
             "machete-g128": lambda: bg.machete_method(n, k, 128)}[method]()
 
@@ -102,6 +103,8 @@ def main():
                     help="before each GEMM an in-place elementwise kernel rewrites its input, as vLLM's norms and "
                          "activation do (a predecessor that writes x and knows nothing of PDL); the time of those "
                          "kernels alone is reported as method 'between'")
+    ap.add_argument("--overrides", default="",
+                    help="plan overrides for every kbit call, e.g. pdl=0 (csrc/dispatch/overrides.h)")
     ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
     ap.add_argument("--layers", type=int, default=0, help="layers in the graph (default: the model's)")
     ap.add_argument("--peers", default="", help="other low-bit kernels beside kbit: 'all', families (gemlite, "
@@ -150,7 +153,7 @@ def main():
             for _ in range(n_layers):
                 layer = {}
                 for name, (n, k) in shapes.items():
-                    layer[name], wbytes[name] = make(method, n, k, bits, peers)
+                    layer[name], wbytes[name] = make(method, n, k, bits, peers, args.overrides)
                 layers.append(layer)
         except Exception as e:  # noqa: BLE001
             bg.log(f"# {method} unavailable: {type(e).__name__}: {e}")
@@ -204,7 +207,7 @@ def main():
         torch.cuda.empty_cache()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     meta = {"gpu": gpu, "date": stamp, "commit": bg.git_commit(), "command": " ".join([sys.executable] + sys.argv),
-            "env": {k: v for k, v in os.environ.items() if k.startswith("KBIT_")},
+            "overrides": args.overrides,
             "copy_bw_gbs": copy_bw, "torch": torch.__version__, "model": args.model, "layers": n_layers,
             "shapes": shapes}
     ratios = k2_vs_k4(results, ms)

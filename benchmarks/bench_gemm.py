@@ -76,7 +76,7 @@ def copy_bandwidth(timer):
 
 # ------------------------------------------------------------------------------ methods
 
-def kbit_method(n, k, bits, path, splits=0):
+def kbit_method(n, k, bits, path, splits=0, overrides=""):
     from vllm_kbit import format as kf
     from vllm_kbit import layout as kl
     g = torch.Generator(device="cuda").manual_seed(bits)
@@ -86,10 +86,10 @@ def kbit_method(n, k, bits, path, splits=0):
                        dtype=torch.int32).to(torch.uint8)
     cb = kf.normal_float_codebook(bits, "cuda")
     wbytes = packed.numel() * 4 + ap.numel()
-    def run(x, path=path, splits=splits):
-        if path == 0 and splits == 0:
+    def run(x, path=path, splits=splits, overrides=overrides):
+        if path == 0 and splits == 0 and not overrides:
             return torch.ops.kbit.gemm(x, packed, ap, cb, bits, n, k, None)
-        return torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, path, splits)
+        return torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, path, splits, overrides)
     run.tensors = (packed, ap, cb)
     return run, wbytes
 
@@ -183,6 +183,8 @@ def main():
     ap.add_argument("--gemlite-tune", default="borrow", choices=("borrow", "fast"),
                     help="GemLite's launch configs: its shipped H100 table + borrowed 4-bit entries, or its "
                          "own autotuning (minutes per shape set)")
+    ap.add_argument("--overrides", default="",
+                    help="plan overrides for every kbit call, e.g. wgmma.one_per_sm=1 (csrc/dispatch/overrides.h)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     peer_list = pe.select(args.peers, [int(b) for b in args.peer_bits.split(",") if b])
@@ -232,12 +234,11 @@ def main():
                 torch.cuda.empty_cache()
     elif args.sweep_splits:
         sweep_path = "wgmma" if args.path == "wgmma" else "gemv"
-        # the plan's tuning knobs this run was given (e.g. KBIT_WGMMA_ONE=1), with every record
-        knobs = {k: v for k, v in os.environ.items() if k.startswith(("KBIT_WGMMA_", "KBIT_GEMV_"))}
-        extra = {"knobs": knobs} if knobs else {}
+        # the plan overrides this run was given (e.g. wgmma.one_per_sm=1), with every record
+        extra = {"overrides": args.overrides} if args.overrides else {}
         for n, k in shapes:
             for bits in bits_list:
-                run, wb = kbit_method(n, k, bits, PATHS[sweep_path], 0)
+                run, wb = kbit_method(n, k, bits, PATHS[sweep_path], 0, args.overrides)
                 for m in (ms if sweep_path == "wgmma" else (1, 16)):
                     x = torch.randn(m, k, dtype=DT, device="cuda")
                     record(n, k, m, f"kbit{bits}-{sweep_path}-auto", timer(lambda: run(x, PATHS[sweep_path], 0)), wb,
@@ -260,9 +261,9 @@ def main():
         for n, k in shapes:
             methods = []
             for bits in bits_list:
-                methods.append((f"kbit{bits}", *kbit_method(n, k, bits, PATHS[args.path]), {"bits": bits}))
+                methods.append((f"kbit{bits}", *kbit_method(n, k, bits, PATHS[args.path], 0, args.overrides), {"bits": bits}))
                 for extra, max_m in extra_paths.items():
-                    methods.append((f"kbit{bits}-{extra}", *kbit_method(n, k, bits, PATHS[extra]),
+                    methods.append((f"kbit{bits}-{extra}", *kbit_method(n, k, bits, PATHS[extra], 0, args.overrides),
                                     {"bits": bits, **({"max_m": max_m} if max_m else {})}))
             if not args.no_baselines:
                 methods.append(("cublas-fp16", *cublas_method(n, k), {}))

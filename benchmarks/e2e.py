@@ -9,7 +9,7 @@ only), and kbit K = 2..5, each in its own engine process, same method for all:
               0 leaves vLLM's default (1024 on an H100 / H200, what `vllm bench throughput` runs).
 
     python3 benchmarks/e2e.py --workdir /tmp/e2e [--configs bf16,gptq4,kbit4] [--num-prompts 1000] [--tag NAME]
-    python3 benchmarks/e2e.py --configs kbit4,kbit4+KBIT_PDL=1   # A/B: a config + its engine's environment
+    python3 benchmarks/e2e.py --configs kbit4,kbit4+TORCHINDUCTOR_ENABLE_PDL=1   # A/B: a config + its engine's environment
     python3 benchmarks/e2e.py --configs A,B,A,B                   # alternated: rows A, B, A#2, B#2
     python3 benchmarks/e2e.py --configs kbit4,kbit4_lmhead       # lm_head kbit too ("lm_head": true)
     python3 benchmarks/e2e.py --shape qwen3-30b-a3b --configs bf16,kbit4,kbit2   # MoE: kbit experts
@@ -335,7 +335,7 @@ def main() -> None:
                            SHAPES[args.shape])
     results = {}
     for name in args.configs.split(","):
-        base_name, *assignments = name.split("+")  # e.g. kbit4+KBIT_PDL=1: environment of that engine
+        base_name, *assignments = name.split("+")  # e.g. kbit4+TORCHINDUCTOR_ENABLE_PDL=1: environment of that engine
         if name in results:  # a config named again (A, B, A, B alternation): its own row, "NAME#2"
             name = f"{name}#{sum(k.split('#')[0] == name for k in results) + 1}"
         c = CONFIGS[base_name]

@@ -1,6 +1,6 @@
-"""256-token wgmma tiles forced with each split s along K (KBIT_WGMMA_TILE_M=256, splits forced)
+"""256-token wgmma tiles forced with each split s along K (plan override wgmma.tile_m=256, splits forced)
 beside the plan's own pick, K=4 fp16, L2 flushed (bench_gemm.Timer), rounds alternated. The sweep
-the tall-split cost in csrc/kbit_wgmma.cuh (choose_tall) was fitted to; tests/test_wgmma_plan.py
+the tall-split cost in csrc/dispatch/wgmma_plan.h (choose_tall) was fitted to; tests/test_wgmma_plan.py
 replays the plan on its output. Tuning only: prints one line per case and writes a JSON.
 
   python3 benchmarks/tall_split_sweep.py OUT.json   # env SHAPES, MS, SPLITS, ROUNDS override
@@ -30,15 +30,11 @@ def main(out):
         run, _ = kbit_method(n, k, BITS, WGMMA, 0)
         for m in ms:
             x = torch.randn(m, k, dtype=torch.float16, device="cuda")
-            os.environ.pop("KBIT_WGMMA_TILE_M", None)
             res[(n, k, m, "planinfo")] = list(torch.ops.kbit.wgmma_plan(m, n, k, BITS, torch.float16, 0))
             for _ in range(rounds):
-                os.environ.pop("KBIT_WGMMA_TILE_M", None)
                 res.setdefault((n, k, m, "plan"), []).append(timer(lambda: run(x, WGMMA, 0)))
-                os.environ["KBIT_WGMMA_TILE_M"] = "256"
                 for s in splits:
-                    res.setdefault((n, k, m, f"t{s}"), []).append(timer(lambda: run(x, WGMMA, s)))
-            os.environ.pop("KBIT_WGMMA_TILE_M", None)
+                    res.setdefault((n, k, m, f"t{s}"), []).append(timer(lambda: run(x, WGMMA, s, "wgmma.tile_m=256")))
             row = {c: statistics.mean(res[(n, k, m, c)]) for c in ["plan"] + [f"t{s}" for s in splits]}
             pl = res[(n, k, m, "planinfo")]
             print(f"{n}x{k} M={m} plan(tile {pl[0]} s{pl[1]} g{pl[9]})={row['plan']:.1f} "

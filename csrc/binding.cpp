@@ -1,15 +1,12 @@
-// The one torch binding of the kbit kernels: checks, allocation with the torch allocator,
-// launch on the current stream, launch-error check. Schemas of kbit::repack / gemm / quantize /
-// moe_gemm / dequantize_experts are defined in Python (vllm_kbit/ops.py); this file registers
-// their CUDA kernels and adds a few C++-only ops for tests and benchmarks (TORCH_LIBRARY_FRAGMENT
-// below).
+// The one torch binding of the kbit kernels: checks, allocation with the torch allocator, one
+// plan per call, launch on the current stream, launch-error check. Schemas of kbit::repack /
+// gemm / quantize / moe_gemm / dequantize_experts are defined in Python (vllm_kbit/ops.py);
+// this file registers their CUDA kernels and adds C++-only ops for tests and benchmarks
+// (TORCH_LIBRARY_FRAGMENT below).
 //
-// gemm picks its path from the shape inside the op (GEMV for M <= gemv_max_m(bits), then on Hopper
-// the wgmma kernel up to wgmma_max_m(bits) (above wgmma_short_max_m only where its plan takes
-// 256-token tiles), else the mma.sync kernel below dequant_min_m(bits), dequantize + cuBLAS from
-// there; see kbit_ops.h and auto_path below), with no
-// host sync and a grid that depends on shapes only, so it can be captured in a CUDA graph
-// and is opaque to torch.compile.
+// gemm picks its path from the shape inside the op (dispatch/path_rule.h), with no host sync
+// and a grid that depends on shapes only, so it can be captured in a CUDA graph and is opaque
+// to torch.compile. gemm_path forces a path and takes plan overrides (dispatch/overrides.h).
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -19,7 +16,9 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <atomic>
 #include <map>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -27,8 +26,9 @@
 #include <utility>
 #include <vector>
 
-#include "kbit_ops.h"
-#include "moe/kbit_moe_ops.h"
+#include "dispatch/launchers.h"
+#include "dispatch/overrides.h"
+#include "moe/moe_launchers.h"
 
 namespace kbit {
 namespace {
@@ -36,12 +36,11 @@ namespace {
 constexpr int64_t kBlockSize = 32;
 constexpr int64_t kUnit = 64;
 
-enum Path : int64_t { kAuto = 0, kGemv = 1, kMma = 2, kDequant = 3, kWgmma = 4 };
 
-// Error messages are assembled here with std::to_string, never with iostreams: on the H200
-// image an ostream number insertion from this library crashed (the std::num_put facet looked
-// up from this .so's own template instance; backtrace in the report). c10::str of a single
-// std::string, which TORCH_CHECK then does, takes no ostream path.
+// Error messages are assembled here with std::to_string, never with iostreams: an ostream
+// number insertion from this library can crash where the std::num_put facet is looked up from
+// this .so's own template instance. c10::str of a single std::string, which TORCH_CHECK then
+// does, takes no ostream path.
 void append(std::string& s, const char* v) { s += v; }
 void append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
 void append(std::string& s, const c10::Device& v) { s += v.str(); }
@@ -194,41 +193,13 @@ GemmArgs check_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   return {x.size(0), n, k, to_dtype(x.scalar_type())};
 }
 
-#if __has_include("kbit_mma.cuh")
-constexpr bool kHasMma = true;
-#else
-constexpr bool kHasMma = false;
-#endif
-
-// Scratch budget of the dequantize + cuBLAS path; KBIT_DEQUANT_CHUNK_MIB overrides it (tuning).
-// A chunk that fits the 50 MB L2 does not pay: the 8B decode step at M = 512 / 1024 took 20145 /
-// 31071 us with 24 MiB, 18536 / 29438 with 64 and 17761 / 28875 with 128 (bench_decode.py
-// --kbit-paths dequant:0, H200, one call): cuBLAS on fewer rows per call loses more than the
-// L2 saves, most on K-heavy layers (64 MiB gave 8192x28672 chunks of 1152 rows: 36 output tiles
-// at M = 1024 for 132 SMs). 256 MiB holds every 8B layer whole and 70B's in 2-4 chunks: against
-// 64, single kernels at M = 1024 (K=4, L2 flushed) 4096x14336 211 / 233, 28672x4096 424 / 455,
-// 8192x28672 911 / 1009, 57344x8192 1800 / 1914 us; the 8B step at M = 1024 / 2048 -1.4..-2.7% /
-// -1..-1.8% at K = 2, 4, 5 (bench_decode_dequant_chunk256_6947cd6.json, same call, H200).
-int64_t dequant_chunk_bytes() {
-  static const int64_t bytes = [] {
-    const char* f = std::getenv("KBIT_DEQUANT_CHUNK_MIB");
-    const int64_t mib = f != nullptr ? std::atoll(f) : 0;
-    return (mib > 0 ? mib : int64_t(256)) << 20;
-  }();
-  return bytes;
-}
-
-// Large-M fallback: dequantize row chunks of W into a bounded scratch and multiply with cuBLAS.
+// Large-M path: dequantize row chunks of W into a bounded scratch and multiply with cuBLAS. As
+// few chunks as the budget allows, of equal size up to 64-row rounding (the last takes the
+// rest): uneven chunks measured slower, and fewer rows per cuBLAS call lose more than a chunk
+// that fits the L2 saves.
 void gemm_dequant(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
-                  int64_t bits, const GemmArgs& a, const at::Tensor* bias, at::Tensor& y) {
-  // As few chunks as the budget allows, of equal size up to 64-row rounding (the last takes the
-  // rest). Uneven chunks measured slower: 8192x28672 (70B's down, 470 MB in bf16) ran as 4672 +
-  // 3520 rows; as 2 x 4096, 868 -> 812 us at M = 1024 and 1677 -> 1611 at 2048 (L2 flushed), the
-  // 70B step's down 1805 -> 1671 us at M = 2048; 57344x8192 (4 x 14336 instead of 3 x 16384 +
-  // 8192) within the run's spread (H200, alternated twice in one call,
-  // bench_dequant_chunks_ab_6dc9c16.json). The cause is not isolated: fewer output tiles per
-  // cuBLAS call, or row counts that are not multiples of 128.
-  const int64_t budget = dequant_chunk_bytes();
+                  int64_t bits, const GemmArgs& a, const at::Tensor* bias, at::Tensor& y, const PlanOverrides& o) {
+  const int64_t budget = (o.dequant_chunk_mib > 0 ? o.dequant_chunk_mib : kDequantChunkMib) << 20;
   const int64_t max_rows = std::max<int64_t>(kUnit, budget / (a.k * int64_t(x.element_size())) / kUnit * kUnit);
   const int64_t chunks = (a.n + max_rows - 1) / max_rows;
   int64_t rows = ((a.n + chunks - 1) / chunks + kUnit - 1) / kUnit * kUnit;
@@ -250,109 +221,152 @@ void gemm_dequant(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   }
 }
 
-// The path kbit::gemm takes (kbit_ops.h): from M, and between wgmma_short_max_m and wgmma_max_m
-// from the wgmma plan too (wgmma only where it takes 256-token tiles).
-int64_t auto_path(DType dtype, int64_t m, int64_t n, int64_t k, int64_t bits, int num_sms) {
-  if (m <= gemv_max_m(int(bits))) return kGemv;
-  if (m <= wgmma_max_m(int(bits)) && wgmma_supported()) {
-    if (m <= wgmma_short_max_m(int(bits))) return kWgmma;
-    int plan[kWgmmaPlanInts] = {};
-    wgmma_plan_info(dtype, int(m), int(n), int(k), int(bits), num_sms, 0, plan);
-    return plan[0] == 256 ? kWgmma : kDequant;
-  }
-  return kHasMma && m < dequant_min_m(int(bits)) ? kMma : kDequant;
+// The path kbit::gemm takes (dispatch/path_rule.h). Between wgmma_short_max_m and wgmma_max_m the
+// rule asks the wgmma plan, which is kept in *wgmma_plan for the launch (computed once a call).
+Path auto_path(DType dtype, int64_t m, int64_t n, int64_t k, int64_t bits, int num_sms, const PlanOverrides& o,
+               std::optional<WgmmaPlan>* wgmma_plan) {
+  return choose_path(m, int(bits), wgmma_supported(), has_mma(), [&] {
+    *wgmma_plan = plan_wgmma(dtype, int(m), int(n), int(k), int(bits), num_sms, 0, o);
+    return (*wgmma_plan)->tile_m == 256;
+  });
 }
 
-// The wgmma kernel's cluster-group counters (kbit_wgmma.cuh, choose_groups): one zeroed int32
-// buffer per device and stream, left zero by every launch (the last CTA at a counter resets it),
-// so a launch needs no memset before it. A memset node before each launch cost ~3 us a call in
-// the decode graph, which took the gain of 4096x14336 at 256 tokens from 11% to 6% and made
-// 4096x4096 10% slower (docs/MMA.md). Per stream, because launches on two streams may overlap
-// and would share counters; launches on one stream do not touch them at once (a kernel reaches
-// its epilogue only after griddepcontrol.wait, so after the kernel before it has finished).
-// Allocated by the first call on a stream outside CUDA-graph capture: vLLM captures on the
-// stream its profile run used, eagerly, before (compilation/cuda_graph.py). A call on a stream
-// without one (first call under capture), or with KBIT_WGMMA_ZEROED=0, zeroes counters in its
-// own workspace on-stream instead. A graph replayed on another stream than it was captured on
-// uses the capture stream's counters.
-int* zeroed_counters(const at::Tensor& like, cudaStream_t stream) {
+// The wgmma kernel's cluster-group counters: one zeroed int32 buffer per device and stream, left
+// zero by every launch (the last CTA at a counter resets it), so a launch needs no memset before
+// it (a memset node before each launch costs more than the cluster groups gain on small layers).
+// Per stream, because launches on two streams may overlap; launches on one stream do not touch
+// them at once (a kernel reaches its epilogue only after griddepcontrol.wait, so after the kernel
+// before it has finished). Allocated by the first call on a stream outside CUDA-graph capture,
+// whatever its path: vLLM captures on the stream its eager profile run used. A call on a stream
+// without one (first call under capture) zeroes counters in its own workspace instead. A graph
+// replayed on another stream than it was captured on uses the capture stream's counters.
+//
+// Every GEMM asks, so the lookup is lock-free: per device, the first kCounterSlots streams sit
+// in an append-only table published by a release store of its length; more streams, and the
+// allocation itself, go through a mutex.
+constexpr int kCounterDevices = 64, kCounterSlots = 8;
+struct CounterTable {
+  std::atomic<int> filled{0};
+  cudaStream_t streams[kCounterSlots] = {};
+  int* counters[kCounterSlots] = {};
+};
+CounterTable counter_tables[kCounterDevices];
+
+int* zeroed_counters_slow(const at::Tensor& like, cudaStream_t stream) {
   static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, at::Tensor*> bufs;  // never freed: outlive the context at exit
-  if (env_int("KBIT_WGMMA_ZEROED", 1) == 0) return nullptr;
-  const auto key = std::make_pair(int(like.get_device()), stream);
+  static std::map<std::pair<int, cudaStream_t>, int*> overflow;
+  const int dev = int(like.get_device());
+  CounterTable& table = counter_tables[dev];
   const std::lock_guard<std::mutex> lock(mu);
-  const auto it = bufs.find(key);
-  if (it != bufs.end()) return it->second->data_ptr<int>();
+  const int filled = table.filled.load(std::memory_order_relaxed);
+  for (int i = 0; i < filled; ++i)
+    if (table.streams[i] == stream) return table.counters[i];
+  const auto it = overflow.find({dev, stream});
+  if (it != overflow.end()) return it->second;
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone)
     return nullptr;
+  // never freed: the buffers outlive the context at exit
   at::Tensor* buf = new at::Tensor(at::zeros({kWgmmaZeroedCounters}, like.options().dtype(at::kInt)));
-  bufs.emplace(key, buf);
-  return buf->data_ptr<int>();
+  int* counters = buf->data_ptr<int>();
+  if (filled < kCounterSlots) {
+    table.streams[filled] = stream;
+    table.counters[filled] = counters;
+    table.filled.store(filled + 1, std::memory_order_release);
+  } else {
+    overflow.emplace(std::make_pair(dev, stream), counters);
+  }
+  return counters;
+}
+
+int* zeroed_counters(const at::Tensor& like, cudaStream_t stream) {
+  const int dev = int(like.get_device());
+  if (dev < 0 || dev >= kCounterDevices) return nullptr;
+  const CounterTable& table = counter_tables[dev];
+  const int filled = table.filled.load(std::memory_order_acquire);
+  for (int i = 0; i < filled; ++i)
+    if (table.streams[i] == stream) return table.counters[i];
+  return zeroed_counters_slow(like, stream);
+}
+
+void* workspace_ptr(at::Tensor& ws, size_t bytes, const at::Tensor& like) {
+  if (bytes == 0) return nullptr;
+  ws = at::empty({int64_t(bytes)}, like.options().dtype(at::kByte));
+  return ws.data_ptr();
 }
 
 at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
                      const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
-                     const c10::optional<at::Tensor>& bias_opt, int64_t path, int64_t splits) {
+                     const c10::optional<at::Tensor>& bias_opt, int64_t path_arg, int64_t splits,
+                     const PlanOverrides& o) {
   const GemmArgs a = check_gemm(x, packed, absmax, codebook, bits, n, k, bias_opt);
+  TORCH_CHECK(path_arg >= kAutoPath && path_arg <= kWgmmaPath,
+              msg("kbit::gemm_path: path must be 0..4, got ", path_arg));
+  TORCH_CHECK(splits >= 0 && splits <= 16, msg("kbit::gemm_path: splits must be 0..16 (the GEMV takes at most 8)"));
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({a.m, a.n}, x.options());
   if (a.m == 0) return y;
   const at::Tensor* bias = bias_opt.has_value() && bias_opt->defined() ? &*bias_opt : nullptr;
-  const void* bias_ptr = bias != nullptr ? bias->data_ptr() : nullptr;
   const int num_sms = device_props(x).multiProcessorCount;
+  std::optional<WgmmaPlan> wgmma_plan;
   // (kAuto with forced splits, a tuning call: the path is chosen as for splits = 0)
-  if (path == kAuto) path = auto_path(a.dtype, a.m, a.n, a.k, bits, num_sms);
-  TORCH_CHECK(path >= kGemv && path <= kWgmma, msg("kbit::gemm_path: path must be 0..4, got ", path));
-  TORCH_CHECK(path != kWgmma || wgmma_supported(), msg("kbit::gemm_path: the wgmma path needs a build with ",
+  const Path path = path_arg == kAutoPath ? auto_path(a.dtype, a.m, a.n, a.k, bits, num_sms, o, &wgmma_plan)
+                                          : Path(path_arg);
+  TORCH_CHECK(path != kWgmmaPath || wgmma_supported(), msg("kbit::gemm_path: the wgmma path needs a build with ",
               "TORCH_CUDA_ARCH_LIST containing 9.0a and a compute capability 9.0 GPU"));
-  TORCH_CHECK(path != kGemv || a.m <= kGemvMaxM, msg("kbit::gemm_path: the GEMV path serves M <= ", kGemvMaxM,
+  TORCH_CHECK(path != kGemvPath || a.m <= kGemvMaxM, msg("kbit::gemm_path: the GEMV path serves M <= ", kGemvMaxM,
               ", got M = ", a.m));
-  TORCH_CHECK(path != kMma || kHasMma, msg("kbit::gemm_path: this build has no tensor-core kernel"));
-  TORCH_CHECK(splits >= 0 && splits <= 16, msg("kbit::gemm_path: splits must be 0..16 (the GEMV takes at most 8)"));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  int* const counters = wgmma_supported() ? zeroed_counters(x, stream) : nullptr;  // (any path: the first eager call)
-  const auto* pk = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
-  if (path == kGemv) {
-    const size_t ws_bytes = gemv_workspace_bytes(int(a.m), int(a.n), int(a.k), int(bits), num_sms);
-    at::Tensor ws = at::empty({int64_t(ws_bytes)}, x.options().dtype(at::kByte));
-    const cudaError_t err = launch_gemv(a.dtype, x.data_ptr(), pk, absmax.data_ptr<uint8_t>(),
-                                        codebook.data_ptr<float>(), bias_ptr, y.data_ptr(),
-                                        ws_bytes ? ws.data_ptr() : nullptr, int(a.m), int(a.n), int(a.k), int(bits),
-                                        num_sms, stream, int(splits));
-    check_cuda(err, "gemm (gemv)");
-  }
-  if (path == kMma) {
-    const size_t ws_bytes = mma_workspace_bytes(int(a.m), int(a.n), int(a.k), int(bits), num_sms);
-    at::Tensor ws = at::empty({int64_t(ws_bytes)}, x.options().dtype(at::kByte));
-    check_cuda(launch_mma(a.dtype, x.data_ptr(), pk, absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(), bias_ptr,
-                          y.data_ptr(), ws_bytes ? ws.data_ptr() : nullptr, int(a.m), int(a.n), int(a.k), int(bits),
-                          num_sms, stream),
-               "gemm (mma)");
-  } else if (path == kWgmma) {
-    const size_t ws_bytes = wgmma_workspace_bytes(a.dtype, int(a.m), int(a.n), int(a.k), int(bits), num_sms,
-                                                  int(splits));
-    at::Tensor ws = at::empty({int64_t(ws_bytes)}, x.options().dtype(at::kByte));
-    check_cuda(launch_wgmma(a.dtype, x.data_ptr(), pk, absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(),
-                            bias_ptr, y.data_ptr(), int(a.m), int(a.n), int(a.k), int(bits), num_sms, stream,
-                            int(splits), ws_bytes ? ws.data_ptr() : nullptr,
-                            counters),
-               "gemm (wgmma)");
-  } else if (path == kDequant) {
-    gemm_dequant(x, packed, absmax, codebook, bits, a, bias, y);
+  // (on any path: the first eager call allocates them, dispatch may reach wgmma under capture)
+  int* const counters = wgmma_supported() && o.wgmma.zeroed_counters ? zeroed_counters(x, stream) : nullptr;
+  const GemmOperands ops = {a.dtype, x.data_ptr(), reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
+                            absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(),
+                            bias != nullptr ? bias->data_ptr() : nullptr, y.data_ptr(),
+                            int(a.m), int(a.n), int(a.k), int(bits)};
+  at::Tensor ws;
+  switch (path) {
+    case kGemvPath: {
+      const GemvPlan plan = plan_gemv(int(a.m), int(a.n), int(a.k), int(bits), num_sms, int(splits), o);
+      check_cuda(launch_gemv(plan, ops, stream), "gemm (gemv)");
+      break;
+    }
+    case kMmaPath: {
+      const MmaPlan plan = plan_mma(int(a.m), int(a.n), int(a.k), int(bits), num_sms, o.mma);
+      void* w = workspace_ptr(ws, mma_workspace_bytes(plan), x);
+      check_cuda(launch_mma(plan, ops, w, stream), "gemm (mma)");
+      break;
+    }
+    case kWgmmaPath: {
+      if (!wgmma_plan || splits != 0)
+        wgmma_plan = plan_wgmma(a.dtype, int(a.m), int(a.n), int(a.k), int(bits), num_sms, int(splits), o);
+      void* w = workspace_ptr(ws, wg::workspace_bytes(*wgmma_plan), x);
+      check_cuda(launch_wgmma(*wgmma_plan, ops, w, counters, stream), "gemm (wgmma)");
+      break;
+    }
+    default:
+      gemm_dequant(x, packed, absmax, codebook, bits, a, bias, y, o);
   }
   return y;
 }
 
+PlanOverrides overrides_from(const std::string& text, const char* op) {
+  PlanOverrides o;
+  const std::string err = parse_overrides(text, &o);
+  TORCH_CHECK(err.empty(), msg("kbit::", op, ": ", err.c_str()));
+  return o;
+}
+
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
                 int64_t bits, int64_t n, int64_t k, const c10::optional<at::Tensor>& bias) {
-  return gemm_impl(x, packed, absmax, codebook, bits, n, k, bias, kAuto, 0);
+  static const PlanOverrides defaults;
+  return gemm_impl(x, packed, absmax, codebook, bits, n, k, bias, kAutoPath, 0, defaults);
 }
 
 at::Tensor gemm_path(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
                      const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
-                     const c10::optional<at::Tensor>& bias, int64_t path, int64_t splits) {
-  return gemm_impl(x, packed, absmax, codebook, bits, n, k, bias, path, splits);
+                     const c10::optional<at::Tensor>& bias, int64_t path, int64_t splits, c10::string_view overrides) {
+  const PlanOverrides o = overrides_from(std::string(overrides), "gemm_path");
+  return gemm_impl(x, packed, absmax, codebook, bits, n, k, bias, path, splits, o);
 }
 
 // Tiled layout -> W[n, k] (test hook for launch_dequantize).
@@ -476,15 +490,18 @@ int64_t dequant_min_m_op(int64_t bits) {
   return dequant_min_m(int(bits));
 }
 
-bool has_mma_op() { return kHasMma; }
+bool has_mma_op() { return has_mma(); }
 
-int64_t auto_path_op(int64_t m, int64_t n, int64_t k, int64_t bits, at::ScalarType dtype) {
+int64_t auto_path_op(int64_t m, int64_t n, int64_t k, int64_t bits, at::ScalarType dtype, c10::string_view overrides) {
   check_bits(bits);
   TORCH_CHECK(m > 0 && n > 0 && k > 0 && k % kBlockSize == 0,
               msg("kbit::auto_path: bad shape M = ", m, ", N = ", n, ", K = ", k));
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
               msg("kbit::auto_path: dtype must be float16 or bfloat16 (kbit::gemm's), got ", dtype));
-  return auto_path(to_dtype(dtype), m, n, k, bits, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const PlanOverrides o = overrides_from(std::string(overrides), "auto_path");
+  std::optional<WgmmaPlan> unused;
+  return auto_path(to_dtype(dtype), m, n, k, bits, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, o,
+                   &unused);
 }
 
 bool has_wgmma_op() { return wgmma_supported(); }
@@ -499,55 +516,60 @@ int64_t wgmma_short_max_m_op(int64_t bits) {
   return wgmma_short_max_m(int(bits));
 }
 
-// The wgmma launch plan on the current device: [tile_m, splits, grid x, grid y, grid z, columns per
-// CTA, CTAs per SM the launch allows, row split (warpgroups sharing a CTA's slabs), CTAs per SM the
-// kernel is built for] (kbit_ops.h).
+// The plan ops return a plan's fields as a list, in the order the schemas below name them;
+// vllm_kbit/ops.py wraps each in a named tuple of those names (GemvPlan, MmaPlan, WgmmaPlan).
 std::vector<int64_t> wgmma_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits, at::ScalarType dtype,
-                                   int64_t splits) {
+                                   int64_t splits, c10::string_view overrides) {
   check_bits(bits);
   TORCH_CHECK(wgmma_supported(), msg("kbit::wgmma_plan: no wgmma kernel on this build / device"));
   TORCH_CHECK(m > 0 && n > 0 && k > 0 && k % kBlockSize == 0, msg("kbit::wgmma_plan: bad shape"));
+  TORCH_CHECK(splits >= 0 && splits <= 16, msg("kbit::wgmma_plan: splits must be 0..16"));
+  const PlanOverrides o = overrides_from(std::string(overrides), "wgmma_plan");
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  int out[kWgmmaPlanInts] = {};
-  wgmma_plan_info(to_dtype(dtype), int(m), int(n), int(k), int(bits), num_sms, int(splits), out);
-  return std::vector<int64_t>(out, out + kWgmmaPlanInts);
+  const WgmmaPlan p = plan_wgmma(to_dtype(dtype), int(m), int(n), int(k), int(bits), num_sms, int(splits), o);
+  return {p.tile_m, p.splits, p.grid_x(), p.token_tiles, p.column_groups, p.columns, p.launch_per_sm, p.row_split,
+          p.built_per_sm, p.groups};
 }
 
-// The GEMV launch plan on the current device: [splits, warps per CTA, slabs per CTA (0: x not
-// resident), clusters of 1..8 one-per-SM CTAs the device runs at once] (kbit_ops.h).
-std::vector<int64_t> gemv_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits, int64_t splits) {
+std::vector<int64_t> gemv_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits, int64_t splits,
+                                  c10::string_view overrides) {
   check_bits(bits);
   TORCH_CHECK(m > 0 && m <= kGemvMaxM && n > 0 && k > 0 && k % kBlockSize == 0, msg("kbit::gemv_plan: bad shape"));
+  TORCH_CHECK(splits >= 0 && splits <= 16, msg("kbit::gemv_plan: splits must be 0..16"));
+  const PlanOverrides o = overrides_from(std::string(overrides), "gemv_plan");
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  int out[kGemvPlanInts] = {};
-  gemv_plan_info(int(m), int(n), int(k), int(bits), num_sms, int(splits), out);
-  return std::vector<int64_t>(out, out + kGemvPlanInts);
-}
-
-// ---- BEGIN MMA plan hook (owner: tensor-core kernel, csrc/kbit_mma.cu) ----
-// The tensor-core launch plan for a shape on the current device, for tests and benchmarks:
-// [cfg, tile_m, tile_n, splits, k_tiles_per_split, items, grid, workspace_bytes].
-}  // namespace
-void mma_plan_info(int m, int n, int k, int bits, int num_sms, int64_t* out);  // kbit_mma.cu
-namespace {
-std::vector<int64_t> mma_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits) {
-  check_bits(bits);
-  TORCH_CHECK(kHasMma, msg("kbit::mma_plan: this build has no tensor-core kernel"));
-  TORCH_CHECK(m > 0 && n > 0 && k > 0 && k % kBlockSize == 0, msg("kbit::mma_plan: bad shape"));
-  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  std::vector<int64_t> out(8);
-  mma_plan_info(int(m), int(n), int(k), int(bits), num_sms, out.data());
+  const GemvPlan p = plan_gemv(int(m), int(n), int(k), int(bits), num_sms, int(splits), o);
+  const gemv::Clusters cl = gemv_device_clusters();
+  std::vector<int64_t> out = {p.splits, p.warps, p.slabs};
+  for (int s = 1; s <= gemv::kMaxSplits; ++s) out.push_back(cl.n[s]);
   return out;
 }
-// ---- END MMA plan hook ----
+
+std::vector<int64_t> mma_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits, c10::string_view overrides) {
+  check_bits(bits);
+  TORCH_CHECK(has_mma(), msg("kbit::mma_plan: this build has no tensor-core kernel"));
+  TORCH_CHECK(m > 0 && n > 0 && k > 0 && k % kBlockSize == 0, msg("kbit::mma_plan: bad shape"));
+  const PlanOverrides o = overrides_from(std::string(overrides), "mma_plan");
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const MmaPlan p = plan_mma(int(m), int(n), int(k), int(bits), num_sms, o.mma);
+  const mma::CfgDesc d = mma::cfg_desc(p.cfg);
+  return {p.cfg, d.tile_m, d.tile_n, p.splits, p.kt_per_split, p.items, p.grid, int64_t(mma_workspace_bytes(p))};
+}
 
 }  // namespace
 }  // namespace kbit
 
 // C++-only helper ops (tests, benchmarks). The public schemas live in vllm_kbit/ops.py.
+// `overrides`: plan overrides, "key=value,..." (dispatch/overrides.h lists the keys).
+// Plan ops' fields, in order:
+//   gemv_plan:  splits, warps, slabs (0: x not resident), then clusters[1..8] (one-per-SM CTAs in
+//               clusters of s the device runs at once; 0 without clusters)
+//   mma_plan:   config, tile_m, tile_n, splits, k_tiles_per_split, items, grid, workspace_bytes
+//   wgmma_plan: tile_m, splits (CTAs per cluster), grid_x (splits x groups), token_tiles,
+//               column_groups, columns, launch_per_sm, row_split, built_per_sm, groups
 TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("gemm_path(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, int n, int k, "
-        "Tensor? bias, int path, int splits=0) -> Tensor");
+        "Tensor? bias, int path, int splits=0, str overrides=\"\") -> Tensor");
   m.def("dequantize_tiled(Tensor packed, Tensor absmax, Tensor codebook, int bits, int n, int k, "
         "ScalarType dtype) -> Tensor");
   m.def("check_arch(int major, int minor) -> ()", &kbit::check_arch_op);
@@ -557,10 +579,11 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("has_wgmma() -> bool", &kbit::has_wgmma_op);
   m.def("wgmma_max_m(int bits) -> int", &kbit::wgmma_max_m_op);
   m.def("wgmma_short_max_m(int bits) -> int", &kbit::wgmma_short_max_m_op);
-  m.def("auto_path(int m, int n, int k, int bits, ScalarType dtype) -> int", &kbit::auto_path_op);
-  m.def("wgmma_plan(int m, int n, int k, int bits, ScalarType dtype, int splits=0) -> int[]", &kbit::wgmma_plan_op);
-  m.def("gemv_plan(int m, int n, int k, int bits, int splits=0) -> int[]", &kbit::gemv_plan_op);
-  m.def("mma_plan(int m, int n, int k, int bits) -> int[]", &kbit::mma_plan_op);  // MMA plan hook
+  m.def("auto_path(int m, int n, int k, int bits, ScalarType dtype, str overrides=\"\") -> int", &kbit::auto_path_op);
+  m.def("wgmma_plan(int m, int n, int k, int bits, ScalarType dtype, int splits=0, str overrides=\"\") -> int[]",
+        &kbit::wgmma_plan_op);
+  m.def("gemv_plan(int m, int n, int k, int bits, int splits=0, str overrides=\"\") -> int[]", &kbit::gemv_plan_op);
+  m.def("mma_plan(int m, int n, int k, int bits, str overrides=\"\") -> int[]", &kbit::mma_plan_op);
 }
 
 TORCH_LIBRARY_IMPL(kbit, CUDA, m) {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compile every torch-free CUDA source (csrc/*.cu, csrc/generated/*.cu) for sm_80 and sm_90a
+# Compile every torch-free CUDA source (csrc/**/*.cu) for sm_80 and sm_90a
 # (the shipped targets; sm_90a carries the wgmma kernel), so kernel code that does not compile
 # never lands, and fail where ptxas says it serialized the asynchronous wgmma pipeline; then the torch binding (csrc/*.cpp)
 # against the installed torch's headers, with declaration-only stand-ins for the CUDA library
@@ -9,16 +9,17 @@ cd "$(dirname "$0")/.."
 NVCC="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
 [ -x "$NVCC" ] || { echo "check_cuda_compile: nvcc not found (set NVCC)"; exit 1; }
 OUTDIR="$(mktemp -d)"; trap 'rm -rf "$OUTDIR"' EXIT
+python3 csrc/generate_instantiations.py --check  # the per-bit-width files are what the script writes
 shopt -s nullglob
-SOURCES=(csrc/*.cu csrc/generated/*.cu csrc/moe/*.cu)
+mapfile -t SOURCES < <(find csrc -name "*.cu" | sort)
 [ ${#SOURCES[@]} -gt 0 ] || { echo "check_cuda_compile: no .cu sources"; exit 0; }
 printf '%s\n' "${SOURCES[@]}" | xargs -P "$(nproc)" -I{} sh -c \
-  'log=$("$0" -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a -DKBIT_HAS_SM90A -std=c++17 -O3 --expt-relaxed-constexpr -Icsrc -c "$1" -o "$2/$(basename "$1").o" 2>&1) || { echo "$log"; echo "FAILED: $1"; exit 255; }; [ -n "$log" ] && echo "$log"; if echo "$log" | grep -q "wgmma.*serialized"; then echo "FAILED: $1 (wgmma serialized)"; exit 255; fi; exit 0' \
+  'log=$("$0" -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a -DKBIT_HAS_SM90A -std=c++17 -O3 --expt-relaxed-constexpr -Icsrc -c "$1" -o "$2/$(echo "$1" | tr / _).o" 2>&1) || { echo "$log"; echo "FAILED: $1"; exit 255; }; [ -n "$log" ] && echo "$log"; if echo "$log" | grep -q "wgmma.*serialized"; then echo "FAILED: $1 (wgmma serialized)"; exit 255; fi; exit 0' \
   "$NVCC" {} "$OUTDIR"
 echo "check_cuda_compile: ${#SOURCES[@]} sources compile for sm_80 and sm_90a"
 
 # The wgmma kernel's 128-token tiles hand registers from the producer warpgroup to the consumers
-# (setmaxnreg 40 / 232, kbit_wgmma.cuh Cfg::kProducer): the raise waits until the pool holds
+# (setmaxnreg 40 / 232, wgmma/wgmma_kernel.cuh Cfg::kProducer): the raise waits until the pool holds
 # 8 x 232 + 4 x 40 registers a warp, which needs the launch's 168 a thread (64 K / 384). Any
 # other count (a changed launch bound, -maxrregcount) would hang the kernel, so it fails here.
 # cuobjdump: on PATH, next to nvcc, or the copy triton ships (installed with vLLM's dependencies)
@@ -26,7 +27,7 @@ CUOBJDUMP="${CUOBJDUMP:-$(command -v cuobjdump || true)}"
 [ -n "$CUOBJDUMP" ] || [ ! -x "$(dirname "$NVCC")/cuobjdump" ] || CUOBJDUMP="$(dirname "$NVCC")/cuobjdump"
 [ -n "$CUOBJDUMP" ] || CUOBJDUMP="$(python3 -c 'import os, triton; print(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))' 2>/dev/null || true)"
 [ -n "$CUOBJDUMP" ] && [ -x "$CUOBJDUMP" ] || { echo "check_cuda_compile: cuobjdump not found (set CUOBJDUMP)"; exit 1; }
-for o in "$OUTDIR"/wgmma_k*.cu.o; do
+for o in "$OUTDIR"/*wgmma_k*.cu.o; do
   regs=$("$CUOBJDUMP" --dump-resource-usage -arch sm_90a "$o" | grep -A1 "wgmma_kernelILi[0-9]ELi128ELi256ELi2E" \
          | grep -o "REG:[0-9]*" || true)
   [ -n "$regs" ] || { echo "FAILED: $(basename "$o"): no 128-token tile instantiation found"; exit 1; }

@@ -57,15 +57,15 @@ if [ $TESTS -eq 1 ]; then
 fi
 
 if [ $SANITIZE -eq 1 ]; then
-    # script[+VAR=value]: sanitize_small again with the GEMV's x resident in every launch
-    for spec in sanitize_small sanitize_small+KBIT_GEMV_XR_SLABS=4 sanitize_small+KBIT_GEMV_XR_SLABS=15 sanitize_small+KBIT_GEMV_XR_SLABS=16 sanitize_mma sanitize_wgmma; do
+    # script[+OVERRIDES]: sanitize_small again with the GEMV's x resident in every launch
+    for spec in sanitize_small sanitize_small+gemv.slabs=4 sanitize_small+gemv.slabs=15 sanitize_small+gemv.slabs=16 sanitize_mma sanitize_wgmma; do
         script=${spec%%+*}
-        envs=()
-        [ "$spec" != "$script" ] && envs=("${spec#*+}")
+        args=()
+        [ "$spec" != "$script" ] && args=("${spec#*+}")
         for tool in memcheck racecheck; do
             step "compute-sanitizer $tool $spec (kbit kernels only)"
-            env ${envs[@]+"${envs[@]}"} timeout 600 compute-sanitizer --tool "$tool" --kernel-name kns=kbit --error-exitcode 3 \
-                python3 "tests/$script.py" 2>&1 | tail -8 | tee "$OUT/${spec//[+=]/_}_$tool.log"
+            timeout 600 compute-sanitizer --tool "$tool" --kernel-name kns=kbit --error-exitcode 3 \
+                python3 "tests/$script.py" ${args[@]+"${args[@]}"} 2>&1 | tail -8 | tee "$OUT/${spec//[+=.]/_}_$tool.log"
             [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
         done
     done

@@ -12,6 +12,14 @@ from vllm_kbit import format as kf
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 _cache = {}
+# Plan overrides every forced-path call here passes (kbit::gemm_path's `overrides`, keys in
+# csrc/dispatch/overrides.h): tests set entries with monkeypatch.setitem, so they reset.
+OVERRIDES = {}
+
+
+def overrides():
+    from vllm_kbit import ops
+    return ops.plan_overrides(OVERRIDES)
 
 
 def random_weight(n, k, bits, seed, codes=(0x70, 0xA0)):
@@ -42,7 +50,7 @@ def sanitize_case(path, m, n, k, bits, dtype, bias, splits=0):
     packed, absmax, cb, w = random_weight(n, k, bits, m + n + k + bits)
     x = torch.randn(m, k, device="cuda").to(dtype)
     b = torch.randn(n, device="cuda").to(dtype) if bias else None
-    y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, b, path, splits)
+    y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, b, path, splits, overrides())
     ref = x.double() @ w.t() + (b.double() if bias else 0)
     err = ((y.double() - ref).norm() / ref.norm()).item()
     return bool(torch.isfinite(y).all()) and err < TOL[dtype], err
@@ -52,7 +60,7 @@ def run(path, x, packed, absmax, cb, bits, n, k, bias=None, splits=0):
     # NaN-poison the block the op's output will be allocated from (same size, same stream).
     poison = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
     del poison
-    return torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, bias, path, splits)
+    return torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, bias, path, splits, overrides())
 
 
 def check(path, m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0, splits=0, describe=lambda: ""):
@@ -112,7 +120,7 @@ def check_graph_capture(path, m=64, n=4096, k=4096, bits=4):
     """The path captured in a CUDA graph and replayed on fresh x equals float64 each time."""
     packed, absmax, cb, w = weight(n, k, bits)
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    g, y = capture_graph(lambda: torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, path, 0))
+    g, y = capture_graph(lambda: torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, path, 0, overrides()))
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         replay_poisoned(g, y)

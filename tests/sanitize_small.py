@@ -1,6 +1,11 @@
 """Small workload for compute-sanitizer (memcheck / racecheck): repack, quantize, dequantize
 and the GEMV path (every split-K factor) on small, awkward shapes. Prints one line per step;
-exits non-zero on a wrong result. Not a pytest file (run: python tests/sanitize_small.py)."""
+exits non-zero on a wrong result. Not a pytest file:
+
+    compute-sanitizer --tool memcheck python3 tests/sanitize_small.py [OVERRIDES]
+
+OVERRIDES (optional): plan overrides for every GEMV call, e.g. gemv.slabs=15 (x resident, one warp
+per slab: what the plan runs for 28672x4096 from M = 1 at K = 3, 4), keys in csrc/dispatch/overrides.h."""
 import sys
 
 import torch
@@ -11,6 +16,7 @@ from vllm_kbit import ops
 
 assert torch.cuda.is_available() and ops.HAS_CUDA_KERNELS, "needs a GPU and vllm_kbit._C"
 dev = "cuda"
+OV = sys.argv[1] if len(sys.argv) > 1 else ""
 ok = True
 for bits in (2, 3, 4, 5):
     for n, k in ((72, 96), (130, 160)):
@@ -30,12 +36,12 @@ for bits in (2, 3, 4, 5):
             bias = torch.randn(n, device=dev, dtype=torch.float16)
             ref = x.double() @ w64.t() + bias.double()
             for splits in (1, 2, 3):
-                y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, bias, 1, splits)
+                y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, bias, 1, splits, OV)
                 err = float((y.double() - ref).norm() / ref.norm())
                 ok &= err < 2e-3
         print(f"bits={bits} n={n} k={k}: {'ok' if ok else 'FAIL'}", flush=True)
-# clusters of four along K (with KBIT_GEMV_XR_SLABS=15 or 16: x resident, one warp per slab, the plan
-# of 28672x4096 from M = 1 at K = 3, 4, M = 11 at K=5), on a K range long enough for four splits
+# clusters of four along K (with OVERRIDES gemv.slabs=15 or 16: x resident, one warp per slab, the
+# plan of 28672x4096 from M = 1 at K = 3, 4, M = 11 at K=5), on a K range long enough for four splits
 n, k = 200, 2080
 g = torch.Generator(device=dev).manual_seed(0)
 for bits in (4, 5):
@@ -46,7 +52,7 @@ for bits in (4, 5):
     w64 = kf.dequantize(q, a, bits, cb, dtype=torch.float64)
     for m in (4, 9, 16):  # one n8 tile of x, two
         x = torch.randn(m, k, device=dev, dtype=torch.float16)
-        y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, 4)
+        y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, 4, OV)
         ref = x.double() @ w64.t()
         ok &= float((y.double() - ref).norm() / ref.norm()) < 2e-3
     print(f"bits={bits} n={n} k={k} splits=4: {'ok' if ok else 'FAIL'}", flush=True)

@@ -11,15 +11,15 @@ M / N / K tails (rows past M, slabs past N, K % 64 == 32), bias, fp16 and bf16, 
 Shapes are tiny so the tools finish in seconds. Exits non-zero if a result is off (the
 sanitizer reports its own errors). Exits 0 with a note where the wgmma path is unavailable.
 """
-import os
 import sys
 
 import torch
 
-from gemm_cases import sanitize_case  # tests/ is this script's directory, so on sys.path
+import gemm_cases  # tests/ is this script's directory, so on sys.path
+from gemm_cases import sanitize_case
 from vllm_kbit import ops  # noqa: F401  (registers the ops, loads vllm_kbit._C)
 
-CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)[, KBIT_WGMMA_ONE[, _GROUPS[, _TILE_M]]]
+CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)[, wgmma.one_per_sm[, .groups[, .tile_m]]]
     (17, 200, 96, 3, torch.float16, True, 0),         # tile 32 (two warpgroups), slabs past N, K % 64 == 32
     (16, 130, 4128, 4, torch.bfloat16, False, 3),     # tile 16, 3-CTA cluster, uneven chunks
     (64, 64, 2048, 2, torch.float16, True, 8),        # tile 64, 8-CTA cluster, one slab
@@ -60,11 +60,10 @@ def main():
         return
     bad = 0
     for m, n, k, bits, dtype, bias, splits, *one in CASES:
-        os.environ["KBIT_WGMMA_ONE"] = one[0] if one else "-1"  # read on every call (kbit_wgmma.cuh)
-        os.environ["KBIT_WGMMA_GROUPS"] = one[1] if len(one) > 1 else "0"
-        os.environ["KBIT_WGMMA_TILE_M"] = one[2] if len(one) > 2 else "0"
+        gemm_cases.OVERRIDES.clear()  # (-1, 0: the plan's own)
+        gemm_cases.OVERRIDES.update(zip(("wgmma.one_per_sm", "wgmma.groups", "wgmma.tile_m"), map(int, one)))
         ok, err = sanitize_case(4, m, n, k, bits, dtype, bias, splits)
-        plan = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
+        plan = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits, gemm_cases.overrides())
         bad += not ok
         print(f"{'ok  ' if ok else 'FAIL'} m={m} n={n} k={k} bits={bits} {dtype} tile_m={plan[0]} "
               f"splits={plan[1]} row_split={plan[7]} per_sm={plan[8]} groups={plan[9]} relerr={err:.2e}", flush=True)

@@ -1,4 +1,4 @@
-"""The GEMV launch plan (csrc/kbit_gemv_plan.h) on the CPU: tests/cpp/gemv_plan_test.cu, built
+"""The GEMV launch plan (csrc/dispatch/gemv_plan.h) on the CPU: tests/cpp/gemv_plan_test.cu, built
 with nvcc as host code and run here, checks the choices the H200 measurements made (split-K,
 CTA size, x residency for Llama-3-8B / 70B layers and an lm_head) and the invariants every
 launch relies on. Skipped where there is no nvcc."""

@@ -174,8 +174,8 @@ def test_gemv_forced_splits(bits):
 def test_gemv_cta_sizes(bits, dtype):
     """M <= 8 runs 16-warp CTAs where 64-column slabs x splits fit one per SM, 4-warp CTAs
     (four per SM) where the slabs fit four per SM, 8-warp CTAs (two per SM) beyond
-    (kbit_gemv_plan.h): shapes in each range and on their edges, forced splits included. The
-    16-warp CTAs read the wide-row pair table (K=3,4; at M > 8 K=3 only, kbit_gemv.cuh)."""
+    (csrc/dispatch/gemv_plan.h): shapes in each range and on their edges, forced splits included. The
+    16-warp CTAs read the wide-row pair table (K=3,4; at M > 8 K=3 only, csrc/gemv/gemv_kernel.cuh)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for n, k, splits in [(1000, 2080, 0), (64 * sms // 2 - 24, 1056, 2), (64 * 2 * sms + 8, 1056, 0),
                          (64 * sms + 8, 544, 2), (64 * sms + 8, 2080, 0), (64 * 4 * sms, 1056, 0),
@@ -184,10 +184,12 @@ def test_gemv_cta_sizes(bits, dtype):
             _check_gemm(n, k, bits, dtype, m, path=PATH_GEMV, splits=splits, bias=(m == 6))
 
 
-# The start of the scripts the tests below run in subprocesses (a switch read once per process).
+# The start of the scripts the tests below run in subprocesses (fresh processes: first calls,
+# cold caches); OV is the plan overrides string each forced call passes (argv[2]).
 _SCRIPT_PRELUDE = r"""
 import sys
 import torch
+OV = sys.argv[2] if len(sys.argv) > 2 else ""
 from vllm_kbit import format as kf
 from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
 from gemm_cases import capture_graph, replay_poisoned  # tests/ is on PYTHONPATH (_run_script)
@@ -202,12 +204,12 @@ def weight(n, k, bits, g):  # a random tiled weight (_random_weight without the 
 """
 
 
-def _run_script(script, out, timeout=300, **env):
-    """Run one of the scripts below in a fresh process with `env` added (the switches are
-    read once per process) and return what it saved to `out`."""
+def _run_script(script, out, timeout=300, overrides=None, **env):
+    """Run one of the scripts below in a fresh process with `env` added and `overrides` (plan
+    overrides, ops.plan_overrides) as its OV, and return what it saved to `out`."""
     path = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")]))
-    subprocess.run([sys.executable, "-c", script, str(out)], check=True, timeout=timeout,
-                   env=dict(os.environ, PYTHONPATH=path, **env))
+    subprocess.run([sys.executable, "-c", script, str(out), ops.plan_overrides(overrides)], check=True,
+                   timeout=timeout, env=dict(os.environ, PYTHONPATH=path, **env))
     return torch.load(out)
 
 
@@ -222,32 +224,30 @@ for n, k in ((1000, 2080), (12800, 2080), (520, 14336)):
         packed, ap, cb, w64 = weight(n, k, bits, g)
         for m in (1, 13, 16):
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-            y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, 0)
+            y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, 0, OV)
             out.append((y.cpu(), (x.double() @ w64.t()).cpu()))
 torch.save(out, sys.argv[1])
 """
 
 
-GEMV_VARIANTS = (("default", {}), ("packed", {"KBIT_GEMV_WIDE_LUT": "0"}),
-                 ("x_regs", {"KBIT_GEMV_XRES": "0", "KBIT_GEMV_XSMEM": "0"}), ("x_ring", {"KBIT_GEMV_XRES": "0"}),
-                 *((f"x_resident_{g}", {"KBIT_GEMV_XR_SLABS": str(g)}) for g in (2, 4, 15, 16)),
-                 *((f"x_resident_{g}_packed", {"KBIT_GEMV_XR_SLABS": str(g), "KBIT_GEMV_WIDE_LUT": "0"})
-                   for g in (4, 15, 16)))
+GEMV_VARIANTS = (("default", {}), ("packed", {"gemv.wide_table": 0}),
+                 ("x_regs", {"gemv.x_resident": 0, "gemv.x_smem": 0}), ("x_ring", {"gemv.x_resident": 0}),
+                 *((f"x_resident_{g}", {"gemv.slabs": g}) for g in (2, 4, 15, 16)),
+                 *((f"x_resident_{g}_packed", {"gemv.slabs": g, "gemv.wide_table": 0}) for g in (4, 15, 16)))
 
 
 def test_gemv_variants(tmp_path):
     """The GEMV's per-device choices: the wide-row pair table (K=3,4, CTAs alone on their SM;
-    M <= 8) against the packed one that sm_86 / sm_89 take (KBIT_GEMV_WIDE_LUT=0) must give the
+    M <= 8) against the packed one that sm_86 / sm_89 take (gemv.wide_table=0) must give the
     same bits (same values, same order). At 8 < M <= 16, the 8-warp kernel with x in registers
-    that those devices run (KBIT_GEMV_XSMEM=0), the per-warp x ring that sm_90 ran before x
-    resident (KBIT_GEMV_XRES=0), and x resident with 2, 4, 15 and 16 slabs per CTA
-    (KBIT_GEMV_XR_SLABS; other summation orders) must each meet the float64 reference like the
-    default. The switches are read once per process: one subprocess each, three shapes, K = 2..5,
+    that those devices run (gemv.x_smem=0), the per-warp x ring (gemv.x_resident=0), and x
+    resident with 2, 4, 15 and 16 slabs per CTA (gemv.slabs; other summation orders) must each
+    meet the float64 reference like the default. One subprocess each, three shapes, K = 2..5,
     M = 1, 13 (rows past M zero-filled), 16. x resident in 4, 15 or 16 slabs reads the wide-row table
     where the K range fits beside it (K=3,4): bit-identical to the packed table's results too."""
     outs = {}
-    for name, env in GEMV_VARIANTS:
-        outs[name] = _run_script(_GEMV_OUTPUTS, tmp_path / f"{name}.pt", **env)
+    for name, overrides in GEMV_VARIANTS:
+        outs[name] = _run_script(_GEMV_OUTPUTS, tmp_path / f"{name}.pt", overrides=overrides)
         assert len(outs[name]) == 36
     for i in range(36):
         y, ref = outs["default"][i]
@@ -261,7 +261,7 @@ def test_gemv_variants(tmp_path):
 
 
 _GEMV_XR_SPLITS = _SCRIPT_PRELUDE + r"""
-# x resident with G = $KBIT_GEMV_XR_SLABS slabs per CTA and every split S = 1..4 (clusters of S
+# x resident with G = gemv.slabs (OV) slabs per CTA and every split S = 1..4 (clusters of S
 # along K; G = 15, S = 4 is what the plan takes for 28672x4096 from M = 1 at K = 3, 4, M = 11
 # at K=5), fp16 and bf16, M = 1, 13, 16.
 out = []
@@ -274,7 +274,7 @@ for n, k in ((1000, 2080), (12800, 2080)):
                 dtype = torch.float16 if (m + splits) % 2 else torch.bfloat16
                 x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
                 torch.full((m, n), float("nan"), device="cuda", dtype=dtype)  # freed: the block y reuses
-                y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, splits)
+                y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, splits, OV)
                 out.append((y.cpu(), (x.double() @ w64.t()).cpu(), str(dtype)))
 torch.save(out, sys.argv[1])
 """
@@ -282,9 +282,9 @@ torch.save(out, sys.argv[1])
 
 @pytest.mark.parametrize("slabs", [2, 4, 15, 16])
 def test_gemv_resident_splits(tmp_path, slabs):
-    """x resident in CTAs of 2, 4, 15 (15 warps), 16 slabs (KBIT_GEMV_XR_SLABS, read once: a subprocess each)
+    """x resident in CTAs of 2, 4, 15 (15 warps), 16 slabs (the override gemv.slabs)
     with every split-K cluster size 1..4 meets the float64 reference."""
-    outs = _run_script(_GEMV_XR_SPLITS, tmp_path / "out.pt", KBIT_GEMV_XR_SLABS=str(slabs))
+    outs = _run_script(_GEMV_XR_SPLITS, tmp_path / "out.pt", overrides={"gemv.slabs": slabs})
     assert len(outs) == 2 * 3 * 4 * 3
     for i, (y, ref, dtype) in enumerate(outs):
         tol = TOL[torch.float16 if dtype == str(torch.float16) else torch.bfloat16]
@@ -327,7 +327,7 @@ def test_gemv_plan_on_device():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gemv_short_k_narrow_plan(dtype, bits):
     """Phi-3-mini's qkv (9216x3072: 144 slabs of 48 units) through the op's own dispatch: on an
-    H200 four 4-warp CTAs per SM at S = 3, four units a warp (kbit_gemv_plan.h, kNarrowMinUnits)."""
+    H200 four 4-warp CTAs per SM at S = 3, four units a warp (csrc/dispatch/gemv_plan.h, kNarrowMinUnits)."""
     for m in (1, 5, 8, 9, 16):
         _check_gemm(9216, 3072, bits, dtype, m, bias=bool(m % 2))
 
@@ -347,7 +347,7 @@ def test_gemv_wide_layer_plan(dtype, bits):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gemv_subnormal_scales(dtype, bits):
     """Every block's absmax an E4M4 subnormal, through the GEMV at M = 1 (one n8 tile) and 9, 16
-    (two): where the block scale multiplies the decoded pairs (kbit_gemv.cuh, scale_weights) it
+    (two): where the block scale multiplies the decoded pairs (csrc/gemv/gemv_kernel.cuh, scale_weights) it
     is built from the code bits as fp16 / bf16 subnormals, and a flushed one would give zeros."""
     for m in (1, 9, 16):
         gemm_cases.check(PATH_GEMV, m, 1000, 2080, bits, dtype, tiny=True, x_scale=256.0)
@@ -365,18 +365,17 @@ for n in (200, 1000):  # neither a multiple of 64: the last chunk ends inside a 
             b = torch.randn(n, generator=g, device="cuda").to(dtype)
             for nbytes in (1 << 20, 64 << 20):  # NaN in the blocks the scratch and y will reuse
                 torch.full((nbytes // 4,), float("nan"), device="cuda")
-            y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, b, 3, 0)
+            y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, b, 3, 0, OV)
             out.append((y.cpu(), (x.double() @ w64.t() + b.double()).cpu()))
 torch.save(out, sys.argv[1])
 """
 
 
 def test_dequant_path_row_chunks(tmp_path):
-    """The dequantize + cuBLAS path with a 1 MiB scratch (KBIT_DEQUANT_CHUNK_MIB, read once per
-    process, hence a subprocess): W is dequantized and multiplied 64 rows at a time, so every
+    """The dequantize + cuBLAS path with a 1 MiB scratch (the override dequant.chunk_mib): W is dequantized and multiplied 64 rows at a time, so every
     chunk but the first starts at n_begin > 0 and the last ends inside a 64-column slab.
     K = 2..5, fp16 and bf16, with bias, against float64."""
-    outs = _run_script(_DEQUANT_CHUNKS, tmp_path / "chunks.pt", KBIT_DEQUANT_CHUNK_MIB="1")
+    outs = _run_script(_DEQUANT_CHUNKS, tmp_path / "chunks.pt", overrides={"dequant.chunk_mib": 1})
     assert len(outs) == 16
     for i, (y, ref) in enumerate(outs):
         dtype = torch.float16 if i % 2 == 0 else torch.bfloat16
@@ -392,8 +391,8 @@ for bits in (2, 4, 5):
     packed, ap, cb, w64 = weight(n, k, bits, g)
     for m in (1, 16, 64, 200):  # GEMV, GEMV with the x ring, wgmma 2-CTA tiles, 128-token tiles
         x_static = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-        chain = lambda: (lambda y1: (y1, torch.ops.kbit.gemm(y1, packed, ap, cb, bits, n, k, None)))(
-            torch.ops.kbit.gemm(x_static * 2, packed, ap, cb, bits, n, k, None))
+        gemm = lambda a: torch.ops.kbit.gemm_path(a, packed, ap, cb, bits, n, k, None, 0, 0, OV)  # the op's own path
+        chain = lambda: (lambda y1: (y1, gemm(y1)))(gemm(x_static * 2))
         graph, (y1, y2) = capture_graph(chain)
         for _ in range(2):
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
@@ -405,16 +404,15 @@ torch.save(out, sys.argv[1])
 
 
 def test_pdl_launch_chain(tmp_path):
-    """Programmatic dependent launch (on sm_90 unless KBIT_PDL=0, read once per process: one
-    subprocess each way): in a CUDA graph, a torch kernel writes x, a GEMM reads it, and a second GEMM reads
+    """Programmatic dependent launch (on sm_90 unless the override pdl=0; a subprocess each way): in a CUDA graph, a torch kernel writes x, a GEMM reads it, and a second GEMM reads
     the first one's output, so each GEMM's griddepcontrol.wait is what keeps it from reading its
     input early; at M = 1 the first GEMM also lets the second launch before it has reduced and
-    written (allow_dependents; KBIT_PDL_TRIGGER=0 is the third run). K = 2, 4, 5, M = 1, 16 (GEMV),
+    written (allow_dependents; pdl_trigger=0 is the third run). K = 2, 4, 5, M = 1, 16 (GEMV),
     64, 200 (wgmma), outputs NaN-filled before every replay: the same bits in all three runs, and
     both layers meet the float64 reference (the second one on the first one's actual output)."""
     outs = {}
-    for name, env in (("pdl", {}), ("no_pdl", {"KBIT_PDL": "0"}), ("no_trigger", {"KBIT_PDL_TRIGGER": "0"})):
-        outs[name] = _run_script(_PDL_CHAIN, tmp_path / f"{name}.pt", **env)
+    for name, overrides in (("pdl", {}), ("no_pdl", {"pdl": 0}), ("no_trigger", {"pdl_trigger": 0})):
+        outs[name] = _run_script(_PDL_CHAIN, tmp_path / f"{name}.pt", overrides=overrides)
         assert len(outs[name]) == 24
     for i, (y1, y2, ref1, ref2) in enumerate(outs["pdl"]):
         for other in ("no_pdl", "no_trigger"):
@@ -487,7 +485,7 @@ def test_forced_paths(bits, dtype):
 @pytest.mark.parametrize("bits", [2, 4, 5])
 def test_auto_dispatch_thresholds(bits):
     """kbit::gemm's own choice around each threshold gives the bits of the path it names, and
-    the named paths follow kbit_ops.h: GEMV up to 16 rows on every layer, wide ones (a
+    the named paths follow csrc/dispatch/path_rule.h: GEMV up to 16 rows on every layer, wide ones (a
     64-column slab per SM) included."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     k = 2048

@@ -86,7 +86,7 @@ def test_hand_checked_positions():
 
 def test_k4_stores_nibble_words():
     """K=4: slot s of a lane's word position holds N_s; nibble 2q + (e >> 2) of N_(e & 3) is the
-    whole index of element e of byte q (layout.py / kbit_layout.cuh)."""
+    whole index of element e of byte q (layout.py / csrc/core/layout.cuh)."""
     n, k = 64, 64
     idx = torch.zeros(n, k, dtype=torch.uint8)
     # (9, 1): lane 4, w = 0, q = 1, e = 1 -> slot 1, nibble 2; (43, 62): lane 15, w = 3, q = 1,
@@ -104,7 +104,7 @@ def test_k4_stores_nibble_words():
 
 def test_k3_k5_slot_forms():
     """K=5: slots 0..3 hold N_0..N_3 of planes 0..3, slot 4 plane 4. K=3: slot b holds N_b in
-    each nibble's bits 0..2 and bit b of N_3's nibble in bit 3 (kbit_layout.cuh, slot_form)."""
+    each nibble's bits 0..2 and bit b of N_3's nibble in bit 3 (csrc/core/layout.cuh, slot_form)."""
     n, k = 64, 64
     # (9, 1): lane 4, w = 0, q = 1, e = 1 -> nibble 2 of N_1; (43, 62): lane 15, w = 3, q = 1,
     # e = 6 -> nibble 3 of N_2; (9, 9): lane 4, w = 0, q = 1, e = 3 (k = 8 + 1) -> nibble 2 of N_3

@@ -1,4 +1,4 @@
-"""Tensor-core kbit GEMM (csrc/kbit_mma.cuh) on the GPU, through torch.ops.kbit.gemm_path(path=2).
+"""Tensor-core kbit GEMM (csrc/mma/mma_kernel.cuh) on the GPU, through torch.ops.kbit.gemm_path(path=2).
 
 The checks (tests/gemm_cases.py): repack + kernel against a float64 matmul of the dequantized
 weight, NaN-poisoned outputs, two runs with fresh x each; the split-K cases are also rerun
@@ -28,7 +28,7 @@ def run(x, packed, absmax, cb, bits, n, k, bias=None):
 
 
 def plan(m, n, k, bits):
-    cfg, tile_m, tile_n, splits, kps, items, grid, ws = torch.ops.kbit.mma_plan(m, n, k, bits)
+    cfg, tile_m, tile_n, splits, kps, items, grid, ws = torch.ops.kbit.mma_plan(m, n, k, bits, gemm_cases.overrides())
     return dict(cfg=cfg, tile_m=tile_m, tile_n=tile_n, splits=splits, kps=kps, items=items, grid=grid, ws=ws)
 
 
@@ -63,10 +63,11 @@ def test_subnormal_scales(dtype):
 @pytest.mark.parametrize("cfg,splits", [(0, 1), (0, 3), (1, 1), (1, 3), (2, 1), (2, 3)])
 def test_forced_configs(cfg, splits, monkeypatch):
     # Every tile config with and without split-K, whatever the heuristic would pick
-    # (KBIT_MMA_FORCE is the launcher's debug override; mma_plan reports what it forces).
+    # (forced through the plan overrides mma.config / mma.splits; mma_plan reports them).
     # M = 100: a row tail in the last m-tile of every config; N = 1000, K = 4128 (65 K-tiles,
     # the last one half empty; with 3 splits the chunks are 22, 22, 21).
-    monkeypatch.setenv("KBIT_MMA_FORCE", f"{cfg},{splits}")
+    monkeypatch.setitem(gemm_cases.OVERRIDES, "mma.config", cfg)
+    monkeypatch.setitem(gemm_cases.OVERRIDES, "mma.splits", splits)
     p = plan(100, 1000, 4128, 3)
     assert (p["cfg"], p["splits"]) == (cfg, splits)
     for bits, dtype in ((3, torch.float16), (5, torch.bfloat16)):

@@ -1,4 +1,4 @@
-"""wgmma kbit GEMM (csrc/kbit_wgmma.cuh, Hopper sm_90a) on the GPU, through
+"""wgmma kbit GEMM (csrc/wgmma/wgmma_kernel.cuh, Hopper sm_90a) on the GPU, through
 torch.ops.kbit.gemm_path(path=4).
 
 The checks (tests/gemm_cases.py): repack + kernel against a float64 matmul of the dequantized
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gemm_cases
-from gemm_cases import weight
+from gemm_cases import OVERRIDES, weight
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +25,8 @@ if not gemm_cases.have("has_wgmma"):
 
 
 def plan(m, n, k, bits, dtype=torch.float16, splits=0):
-    tile_m, s, gx, gy, gz, cols, per_sm, rows, cps, groups = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits)
+    tile_m, s, gx, gy, gz, cols, per_sm, rows, cps, groups = torch.ops.kbit.wgmma_plan(
+        m, n, k, bits, dtype, splits, gemm_cases.overrides())
     return dict(tile_m=tile_m, splits=s, grid=(gx, gy, gz), cols=cols, per_sm=per_sm, row_split=rows, built_per_sm=cps,
                 groups=groups)
 
@@ -55,7 +56,7 @@ def test_bits_dtypes(bits, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_small_m_wide_layers(bits, dtype):
     # 8 < M <= 16 on a layer with at least one 64-column slab per SM, forced (the GEMV serves
-    # these M, kbit_ops.h): a 16-token tile with the rows past M zero-filled
+    # these M, csrc/dispatch/path_rule.h): a 16-token tile with the rows past M zero-filled
     n = 64 * torch.cuda.get_device_properties(0).multi_processor_count + 40
     for m in (9, 13, 16):
         check(m, n, 1056, bits, dtype, bias=(m == 13))
@@ -73,16 +74,16 @@ def test_subnormal_scales(dtype):
 def test_y_store_paths(m, monkeypatch):
     # Unsplit calls store y through shared memory (stmatrix) and a TMA store where N % 8 == 0,
     # clipped at M and N by the tensor map (N = 1000 and 4104 end in partial slabs), and
-    # element by element otherwise (N = 1004); KBIT_WGMMA_Y_TMA=0 forces the element stores.
+    # element by element otherwise (N = 1004); the override wgmma.y_tma=0 forces the element stores.
     # The two must agree bitwise: same sums, same rounding, every element in its place.
     for n, bits, dtype in ((1000, 4, torch.float16), (4104, 3, torch.bfloat16), (1004, 5, torch.float16)):
         outs, (packed, absmax, cb, b) = check(m, n, 4128, bits, dtype, bias=True, splits=1)
-        monkeypatch.setenv("KBIT_WGMMA_Y_TMA", "0")
+        monkeypatch.setitem(OVERRIDES, "wgmma.y_tma", 0)
         for x, y in outs:
             y_scalar = gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, n, 4128, b, 1)
             assert torch.equal(y.view(torch.int16), y_scalar.view(torch.int16)), \
                 f"m={m} n={n} bits={bits} {dtype}: the two y stores differ"
-        monkeypatch.delenv("KBIT_WGMMA_Y_TMA")
+        monkeypatch.delitem(OVERRIDES, "wgmma.y_tma")
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 8, 13])
@@ -108,7 +109,7 @@ def test_wide_ctas(m, monkeypatch):
     # 512-column CTAs (two warpgroups sharing the x tile), forced by the tuning override:
     # N = 1000 leaves the second warpgroup's slabs partly and wholly past N; splits on and off.
     # One CTA per SM, so K=3,4 decode with the wide-row pair table (Cfg::kWideLut).
-    monkeypatch.setenv("KBIT_WGMMA_WIDE", "1")
+    monkeypatch.setitem(OVERRIDES, "wgmma.wide", 1)
     assert plan(m, 1000, 4128, 4)["cols"] == 512
     for bits, dtype, splits in ((4, torch.float16, 0), (3, torch.bfloat16, 2), (2, torch.bfloat16, 3),
                                 (5, torch.float16, 1)):
@@ -125,7 +126,7 @@ def test_tall_tiles(bits, dtype, monkeypatch):
     # N = 1004) must agree bitwise. A forced split runs tall CTAs in one cluster along K (the
     # partials reduced through distributed shared memory in rank order: rerun bitwise equal);
     # forced cluster groups fall back to 128-token tiles.
-    monkeypatch.setenv("KBIT_WGMMA_TILE_M", "256")
+    monkeypatch.setitem(OVERRIDES, "wgmma.tile_m", 256)
     for m in (17, 257, 300, 1000):
         p = plan(m, 4104, 4128, bits, dtype)
         assert (p["tile_m"], p["cols"], p["splits"], p["grid"][1]) == (256, 128, 1, -(-m // 256)), p
@@ -137,12 +138,12 @@ def test_tall_tiles(bits, dtype, monkeypatch):
         for x, y in outs:
             y2 = gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, 4104, 4128, b, splits)
             assert torch.equal(y.view(torch.int16), y2.view(torch.int16)), f"not bitwise deterministic {p}"
-    monkeypatch.setenv("KBIT_WGMMA_GROUPS", "2")
+    monkeypatch.setitem(OVERRIDES, "wgmma.groups", 2)
     assert (lambda p: (p["tile_m"], p["groups"]))(plan(300, 4104, 4128, bits, dtype)) == (128, 2)
     check(300, 4104, 4128, bits, dtype, bias=True)
-    monkeypatch.delenv("KBIT_WGMMA_GROUPS")
+    monkeypatch.delitem(OVERRIDES, "wgmma.groups")
     outs, (packed, absmax, cb, b) = check(300, 1000, 4128, bits, dtype, bias=True)
-    monkeypatch.setenv("KBIT_WGMMA_Y_TMA", "0")
+    monkeypatch.setitem(OVERRIDES, "wgmma.y_tma", 0)
     for x, y in outs:
         y_scalar = gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, 1000, 4128, b, 0)
         assert torch.equal(y.view(torch.int16), y_scalar.view(torch.int16)), f"bits={bits} {dtype}: y stores differ"
@@ -155,7 +156,7 @@ def test_row_split(m, rows, monkeypatch):
     # 32-token tiles run with one warpgroup per CTA or two sharing its slabs (each decodes half
     # of every unit's row tiles), as the plan picks them; both forced here, with splits on and
     # off, every bit width and dtype. (16-token tiles: one; 64 and 128: two; every test above.)
-    monkeypatch.setenv("KBIT_WGMMA_ROWSPLIT", str(rows))
+    monkeypatch.setitem(OVERRIDES, "wgmma.row_split", rows)
     assert plan(m, 1000, 4128, 4)["row_split"] == rows
     for bits, dtype, splits in ((2, torch.float16, 0), (3, torch.bfloat16, 3), (4, torch.float16, 1),
                                 (5, torch.bfloat16, 8)):
@@ -166,9 +167,9 @@ def test_row_split(m, rows, monkeypatch):
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_one_per_sm(bits, one, monkeypatch):
     # 64-token tiles built for one CTA per SM (producer warpgroup, the wide table at K = 3, 4,
-    # eight stages) or for two (one_per_sm in kbit_wgmma.cuh picks): both forced here, at M = 33
+    # eight stages) or for two (one_per_sm in csrc/dispatch/wgmma_plan.h picks): both forced here, at M = 33
     # and 64, split-K off, forced and the plan's, both dtypes.
-    monkeypatch.setenv("KBIT_WGMMA_ONE", str(one))
+    monkeypatch.setitem(OVERRIDES, "wgmma.one_per_sm", one)
     for m, dtype, splits in ((33, torch.float16, 0), (64, torch.bfloat16, 3), (64, torch.float16, 1),
                              (48, torch.bfloat16, 0)):
         p = plan(m, 4104, 4128, bits, dtype, splits)
@@ -180,7 +181,7 @@ def test_one_per_sm(bits, one, monkeypatch):
 def test_one_per_sm_plan():
     # the plan takes one CTA per SM at MT = 64 where it runs in one wave and gives no SM more
     # K-tiles than two per SM would (Llama-3-8B's qkv, o and down projections), not on the wide
-    # layers (H200 measurements in kbit_wgmma.cuh), nor at K=2; never at other tiles
+    # layers (H200 measurements: docs/PERFORMANCE.md), nor at K=2; never at other tiles
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:
         for n, k in ((4096, 14336), (4096, 4096), (6144, 4096)):
             assert plan(64, n, k, 4)["built_per_sm"] == 1, (n, k)
@@ -193,24 +194,24 @@ def test_one_per_sm_plan():
     assert plan(200, 4096, 4096, 4)["built_per_sm"] == 1
 
 
-@pytest.mark.parametrize("one", ["-1", "0"])
+@pytest.mark.parametrize("one", [-1, 0])
 @pytest.mark.parametrize("groups", [2, 3])
 @pytest.mark.parametrize("m", [40, 100, 200])
 def test_cluster_groups(m, groups, one, monkeypatch):
     # Split-K over several clusters whose sums meet in the global workspace (choose_groups),
     # forced at 64- and 128-token tiles, with the producer warpgroup (128-token tiles, and 64
-    # where one_per_sm takes one CTA per SM) and without it (KBIT_WGMMA_ONE=0 at 64), clusters
+    # where one_per_sm takes one CTA per SM) and without it (wgmma.one_per_sm=0 at 64), clusters
     # of 1, 2 and 3 CTAs, every bit width and dtype. Rerun on the same x and compared bitwise:
     # the last cluster to arrive adds the groups in group order, whichever cluster it is (with
     # three groups that order is what keeps the bits).
-    monkeypatch.setenv("KBIT_WGMMA_GROUPS", str(groups))
-    monkeypatch.setenv("KBIT_WGMMA_ONE", one)
+    monkeypatch.setitem(OVERRIDES, "wgmma.groups", groups)
+    monkeypatch.setitem(OVERRIDES, "wgmma.one_per_sm", one)
     n, k = 1000, 4128  # 65 K-tiles: uneven chunks
     for bits, dtype, splits in ((2, torch.float16, 1), (3, torch.bfloat16, 2), (4, torch.float16, 3),
                                 (5, torch.bfloat16, 2)):
         p = plan(m, n, k, bits, dtype, splits)
         assert p["groups"] == groups and p["splits"] == splits and p["grid"][0] == splits * groups, p
-        assert one == "-1" or m > 64 or p["built_per_sm"] == 2, p
+        assert one == -1 or m > 64 or p["built_per_sm"] == 2, p
         outs, (packed, absmax, cb, b) = check(m, n, k, bits, dtype, bias=True, splits=splits)
         for x, y in outs:
             y2 = gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, n, k, b, splits)
@@ -223,10 +224,10 @@ def test_cluster_groups_plan(zeroed, monkeypatch):
     # SMs, but the H200 holds 30 of them, so the plan runs the long-K layer (4096x14336) as two
     # clusters of 2 per tile; not 4096x4096 (measured slower so), nor where clusters of 4 fit
     # (3584 columns: 28 tiles), nor wide layers, nor below 128-token tiles, nor with a forced
-    # split or KBIT_WGMMA_GROUPS=1. The plan's picks are checked against float64 at every bit
+    # split or wgmma.groups=1. The plan's picks are checked against float64 at every bit
     # width and dtype and in a CUDA graph, with the device's zeroed counters (left zero by each
-    # launch) and with KBIT_WGMMA_ZEROED=0 (a memset of counters in the workspace first).
-    monkeypatch.setenv("KBIT_WGMMA_ZEROED", zeroed)
+    # launch) and with wgmma.zeroed_counters=0 (a memset of counters in the workspace first).
+    monkeypatch.setitem(OVERRIDES, "wgmma.zeroed_counters", int(zeroed))
     if torch.cuda.get_device_properties(0).multi_processor_count != 132:
         pytest.skip("the plan's picks below are the H200's (132 SMs)")
     n, k = 4096, 14336
@@ -235,7 +236,7 @@ def test_cluster_groups_plan(zeroed, monkeypatch):
         assert p["groups"] == 2 and p["splits"] == 2 and p["grid"][0] == 4, (m, p)
     assert plan(256, 4096, 4096, 4)["groups"] == 1 and plan(256, 3584, 18944, 4)["groups"] == 1
     with monkeypatch.context() as mp:  # the wide layer at 128-token tiles (the plan takes 256 there)
-        mp.setenv("KBIT_WGMMA_TILE_M", "128")
+        mp.setitem(OVERRIDES, "wgmma.tile_m", 128)
         assert plan(256, 28672, 4096, 4)["groups"] == 1
     assert plan(64, n, k, 4)["groups"] == 1
     assert plan(256, n, k, 4, splits=3)["groups"] == 1
@@ -247,7 +248,7 @@ def test_cluster_groups_plan(zeroed, monkeypatch):
         y2 = gemm_cases.run(WGMMA_PATH, x, packed, absmax, cb, bits, n, k, b)
         assert torch.equal(y.view(torch.int16), y2.view(torch.int16)), "not bitwise deterministic"
     gemm_cases.check_graph_capture(WGMMA_PATH, m=256, n=n, k=k, bits=4)
-    monkeypatch.setenv("KBIT_WGMMA_GROUPS", "1")
+    monkeypatch.setitem(OVERRIDES, "wgmma.groups", 1)
     assert plan(256, n, k, 4)["groups"] == 1
 
 
@@ -258,7 +259,7 @@ def test_row_split_plan(monkeypatch):
     assert plan(16, 57344, 8192, 4)["row_split"] == 1 and plan(9, 1000, 4128, 4)["row_split"] == 1
     assert plan(64, 57344, 8192, 4)["row_split"] == 2
     with monkeypatch.context() as mp:
-        mp.setenv("KBIT_WGMMA_TILE_M", "128")
+        mp.setitem(OVERRIDES, "wgmma.tile_m", 128)
         assert plan(200, 57344, 8192, 4)["row_split"] == 2
     p_short = plan(32, 4096, 14336, 4)
     assert p_short["row_split"] == (2 if -(-224 // p_short["splits"]) <= 48 else 1), p_short
@@ -285,11 +286,11 @@ def test_split_cost_at_tile_128(monkeypatch):
     # (64 tiles) still splits, while on the H200's 132 SMs 28672x4096 at M = 576 (560 tiles) and
     # 4096x14336 at M = 704 (96 tiles) run unsplit, which a cost of 0 (the plan before) did not.
     # (128-token tiles forced: the plan takes 256-token ones at some of these, test_tall_pick.)
-    monkeypatch.setenv("KBIT_WGMMA_TILE_M", "128")
+    monkeypatch.setitem(OVERRIDES, "wgmma.tile_m", 128)
     assert plan(512, 4096, 14336, 4)["splits"] > 1
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:
         assert plan(576, 28672, 4096, 4)["splits"] == 1 and plan(704, 4096, 14336, 4)["splits"] == 1
-        monkeypatch.setenv("KBIT_WGMMA_SPLIT_COST", "0")
+        monkeypatch.setitem(OVERRIDES, "wgmma.split_cost", 0)
         assert plan(576, 28672, 4096, 4)["splits"] > 1 and plan(704, 4096, 14336, 4)["splits"] > 1
 
 
@@ -316,24 +317,24 @@ def test_tall_pick():
         assert tile_split(1200, 4096, 14336)[0] == 128
         assert torch.ops.kbit.auto_path(1200, 4096, 14336, 4, torch.float16) == DEQUANT_PATH
         with pytest.MonkeyPatch.context() as mp:  # the knob for A/B: the unsplit tall tiles only
-            mp.setenv("KBIT_WGMMA_TALL_SPLIT", "0")
+            mp.setitem(OVERRIDES, "wgmma.tall_split", 0)
             assert tile_split(256, 4096, 4096)[0] == 128 and tile_split(512, 4096, 14336)[0] == 128
     assert plan(1000, 28672, 4096, 4, splits=2)["tile_m"] == 128  # a forced split keeps 128
 
 
 def test_spread_launch(monkeypatch):
     # A grid of at most one CTA per SM is launched with half an SM's shared memory, so the
-    # cluster scheduler cannot pack two CTAs on one SM (kbit_wgmma.cuh, choose_splits); results
+    # cluster scheduler cannot pack two CTAs on one SM (csrc/dispatch/wgmma_plan.h, fits_spread); results
     # must not depend on it. Portable cluster sizes only: with K = 14336 the plan would take
     # a packed 12-CTA cluster instead.
-    monkeypatch.setenv("KBIT_WGMMA_MAX_SPLITS", "8")
-    monkeypatch.setenv("KBIT_WGMMA_ONE", "0")  # the 64-token tile built for two CTAs per SM
+    monkeypatch.setitem(OVERRIDES, "wgmma.max_splits", 8)
+    monkeypatch.setitem(OVERRIDES, "wgmma.one_per_sm", 0)  # the 64-token tile built for two CTAs per SM
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     n = 64 * 4 * (sms // 8)  # sms // 8 column groups: eight K-splits fill the SMs once
     p = plan(64, n, 14336, 4)
     assert p["splits"] * p["grid"][2] <= sms and p["per_sm"] == 1, p
     check(64, n, 14336, 4, torch.float16, bias=True)
-    monkeypatch.setenv("KBIT_WGMMA_SPREAD", "0")
+    monkeypatch.setitem(OVERRIDES, "wgmma.spread", 0)
     assert plan(64, n, 14336, 4)["per_sm"] > 1
     check(64, n, 14336, 4, torch.bfloat16, bias=True)
 

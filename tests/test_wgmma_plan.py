@@ -1,8 +1,8 @@
-"""The wgmma kernel's plan on the CPU: tests/cpp/wgmma_splits_test.cu replays it (csrc/kbit_wgmma.cuh:
+"""The wgmma kernel's plan on the CPU: tests/cpp/wgmma_splits_test.cu replays it (csrc/dispatch/wgmma_plan.h:
 tile_m, choose_splits through plan_split, one_per_sm) with the H200's occupancy on every case of the
-forced split sweeps in benchmarks/results (bench_gemm.py --sweep-splits, K=4: M = 256..1000 at
+forced split sweeps in tests/data (bench_gemm.py --sweep-splits, K=4: M = 256..1000 at
 128-token tiles; M = 32..64 at 32- and 64-token tiles, the 64-token tile built for two CTAs per SM
-and for one, KBIT_WGMMA_ONE=0 / 1), and the pick (split, CTAs per SM) must run within 4% of the
+and for one, recorded with the knob KBIT_WGMMA_ONE=0 / 1), and the pick (split, CTAs per SM) must run within 4% of the
 fastest forced configuration measured there (back-to-back timings of one configuration on the big
 layers differ by up to a few %). The cluster groups plan_t adds at 128-token tiles (choose_groups)
 are pinned on the layers they were measured on. Skipped without nvcc."""
@@ -15,23 +15,23 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "data")  # the sweeps' timings (tests/data/README.md)
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 # the 8B layers the split cost was fitted to, Llama-3-70B layers measured after the fit, and the
 # 32- / 64-token tiles (a later file's timing of the same configuration replaces an earlier one's)
-SWEEPS = ["bench_gemm_wgmma_splits_m256_1000_9f74899.json", "bench_gemm_wgmma_splits_m320_960_9f74899.json",
-          "bench_gemm_wgmma_splits_70b_cd13f1e.json", "bench_gemm_wgmma_splits_m32_64_2476a70.json",
-          "bench_gemm_wgmma_splits_m32_64_one_per_sm.json"]
-# the sweep whose "auto" runs without knobs (the device's own pick) ran today's plan on calls short
-# enough to time stably: the 9f74899 sweeps' "auto" is the plan before kSplitCost128, 2476a70's the
-# plan before one_per_sm, and on the 70B sweep's compute-bound calls (57344x8192, M >= 576) "auto",
-# timed first, ran 7-10% faster than the same split forced right after it, the clock dropping under
-# sustained load (bench_gemm.py's note)
-AUTO_SWEEPS = ["bench_gemm_wgmma_splits_m32_64_one_per_sm.json"]
+SWEEPS = ["wgmma_splits_8b_m256_1000.json", "wgmma_splits_8b_m320_960.json", "wgmma_splits_70b.json",
+          "wgmma_splits_m32_64.json", "wgmma_splits_m32_64_one_per_sm.json"]
+# the sweep whose "auto" runs without knobs (the device's own pick) ran the current plan on calls
+# short enough to time stably: the 8B sweeps' "auto" is a plan without kSplitCost128, the first
+# m32_64 sweep's a plan without one_per_sm, and on the 70B sweep's compute-bound calls (57344x8192,
+# M >= 576) "auto", timed first, ran 7-10% faster than the same split forced right after it, the
+# clock dropping under sustained load (bench_gemm.py's note)
+AUTO_SWEEPS = ["wgmma_splits_m32_64_one_per_sm.json"]
 
 
 def built_per_sm(r):
     """CTAs per SM the kernel of a sweep record was built for: one at 128-token tiles, and at 64
-    with KBIT_WGMMA_ONE=1; two below."""
+    with the knob KBIT_WGMMA_ONE=1 (its name in the records); two below."""
     return 1 if r["m"] > 64 or (r["m"] > 32 and r.get("knobs", {}).get("KBIT_WGMMA_ONE") == "1") else 2
 
 
@@ -40,7 +40,7 @@ def sweep_times(auto=False):
     the plan's own pick timed beside them without knobs (the sweeps that recorded it)."""
     cases = collections.defaultdict(dict)
     for name in AUTO_SWEEPS if auto else SWEEPS:
-        with open(os.path.join(ROOT, "benchmarks", "results", name)) as f:
+        with open(os.path.join(DATA, name)) as f:
             for r in json.load(f)["results"]:
                 tag, case = r["method"].rsplit("-", 1)[-1], (r["n"], r["k"], r["m"])
                 if auto and tag == "auto" and not r.get("knobs"):
@@ -58,10 +58,10 @@ def replay(tmp_path_factory):
     subprocess.run([NVCC, "-std=c++17", "--expt-relaxed-constexpr", "-I", os.path.join(ROOT, "csrc"), "-o", str(exe),
                     os.path.join(ROOT, "tests", "cpp", "wgmma_splits_test.cu")], check=True, timeout=600)
 
-    def run(cases, cost=None, groups=False, tall=False, env=None):
+    def run(cases, cost=None, groups=False, tall=False, overrides=()):
         stdin = "".join(f"{n} {k} {m}\n" for n, k, m in cases)
-        r = subprocess.run([str(exe)] + ([str(cost)] if cost is not None else []), input=stdin,
-                           capture_output=True, text=True, timeout=60, check=True, env={**os.environ, **(env or {})})
+        args = list(overrides) + ([f"wgmma.split_cost={cost}"] if cost is not None else [])
+        r = subprocess.run([str(exe)] + args, input=stdin, capture_output=True, text=True, timeout=60, check=True)
         # (n, k, m) -> (splits, CTAs per SM), or with groups=True (cluster groups, CTAs per cluster),
         # or with tall=True the split of the 256-token tiles plan_t takes (0: 128-token tiles)
         if tall:
@@ -117,16 +117,16 @@ def test_cluster_groups_picks(replay):
         assert picks[c][0] == 1, (c, picks[c])
 
 
-TALL_SWEEP = "bench_gemm_wgmma_tall_sweep_0dd8999.json"
+TALL_SWEEP = "wgmma_tall_tiles.json"
 # the two sweeps below timed unsplit 256-token tiles only: their replays run choose_tall without
-# the tall splits (KBIT_WGMMA_TALL_SPLIT=0), which test_tall_split_replay covers
-UNSPLIT = {"KBIT_WGMMA_TALL_SPLIT": "0"}
+# the tall splits (plan override wgmma.tall_split=0), which test_tall_split_replay covers
+UNSPLIT = ("wgmma.tall_split=0",)
 
 
 def tall_times(name=TALL_SWEEP, tile=lambda r: r["knobs"].get("KBIT_WGMMA_TILE_M", "auto")):
     """{(n, k, m): {tile: us}} of a results file whose records `tile` labels ("128", "256", or
     "auto" in the tall sweep; None: not a tile timing), each the mean of its runs."""
-    with open(os.path.join(ROOT, "benchmarks", "results", name)) as f:
+    with open(os.path.join(DATA, name)) as f:
         recs = json.load(f)["results"]
     runs = collections.defaultdict(lambda: collections.defaultdict(list))
     for r in recs:
@@ -154,13 +154,13 @@ def test_tall_pick_replay(replay):
     missed = {(6144, 4096, 320), (4096, 4096, 576), (4096, 14336, 576), (10240, 8192, 576), (4096, 14336, 640)}
     cases = tall_times()
     assert len(cases) == 72
-    picks = replay(cases, tall=True, env=UNSPLIT)
+    picks = replay(cases, tall=True, overrides=UNSPLIT)
     assert sum(picks.values()) >= 30  # it does take them
     slow = {c: v for c, v in slow_tall_picks(cases, picks).items() if not (c in missed and not picks[c])}
     assert not slow, slow
 
 
-ONE_TILE_PROBE = "tall_one_tile_probe_2535e04.json"
+ONE_TILE_PROBE = "wgmma_tall_one_tile.json"
 
 
 def test_tall_one_tile_replay(replay):
@@ -170,13 +170,13 @@ def test_tall_one_tile_replay(replay):
     # there with theirs)
     cases = tall_times(ONE_TILE_PROBE, lambda r: {"gemm_t128": "128", "gemm_t256": "256"}.get(r["config"]))
     assert len(cases) == 32
-    picks = replay(cases, tall=True, env=UNSPLIT)
+    picks = replay(cases, tall=True, overrides=UNSPLIT)
     assert sum(picks.values()) >= 6 and not any(picks[c] for c in cases if c[2] < 192)
     slow = slow_tall_picks(cases, picks)
     assert set(slow) == {(10240, 8192, 160)}, slow
 
 
-TALL_SPLIT_SWEEP = "bench_gemm_wgmma_tall_split_sweep_cc915a1.json"
+TALL_SPLIT_SWEEP = "wgmma_tall_splits.json"
 
 
 def test_tall_split_replay(replay):
@@ -187,7 +187,7 @@ def test_tall_split_replay(replay):
     # pick is the configuration the old plan ran, its time is the old plan's (timed first in each
     # round, it ran up to 12% faster than the same configuration forced after it on the compute-
     # bound 57344x8192 at M >= 512: bench_gemm.py's note on sustained load)
-    with open(os.path.join(ROOT, "benchmarks", "results", TALL_SPLIT_SWEEP)) as f:
+    with open(os.path.join(DATA, TALL_SPLIT_SWEEP)) as f:
         recs = json.load(f)["results"]
     times, old = collections.defaultdict(dict), {}
     for r in recs:

@@ -1,4 +1,4 @@
-"""Python mirror of the tiled kbit layout (csrc/kbit_layout.cuh), in vectorized torch.
+"""Python mirror of the tiled kbit layout (csrc/core/layout.cuh), in vectorized torch.
 
 The CUDA kernels read weights only in this layout; `repack_ref` builds it from the checkpoint
 layout of format.py exactly as the repack kernel does (tests compare them bit for bit), and
@@ -85,7 +85,7 @@ def _transpose_low_planes(words: torch.Tensor, bits: int) -> torch.Tensor:
 
 def planes_to_slots(words: torch.Tensor, bits: int) -> torch.Tensor:
     """[..., bits, 32, 4] int64 plane words -> the words the tiled layout stores in the `bits`
-    slots (kbit_layout.cuh, slot_form)."""
+    slots (core/layout.cuh, slot_form)."""
     if bits != 3:
         return _transpose_low_planes(words, bits)
     nib = nibble_transpose(torch.cat([words, torch.zeros_like(words[..., :1, :, :])], dim=-3))

@@ -20,6 +20,7 @@ moe_align_block_size lays them out.
 """
 from __future__ import annotations
 
+import collections
 import importlib
 import logging
 import os
@@ -253,3 +254,43 @@ def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = No
     q, a = torch.ops.kbit.quantize(weight.contiguous(), cb.to(weight.device), bits)
     return q, a, underflow
 
+
+# ----------------------------------------------------------------------------- tests and benchmarks
+# The CUDA extension's C++-only ops (csrc/binding.cpp) force a path and report plans; these helpers
+# give their `overrides` string and their plan lists names.
+
+def plan_overrides(overrides: dict | str | None = None) -> str:
+    """{"wgmma.tile_m": 256, "gemv.wide_table": False} -> "wgmma.tile_m=256,gemv.wide_table=0", the
+    `overrides` argument of kbit::gemm_path and the plan ops (keys: csrc/dispatch/overrides.h).
+    A string passes through."""
+    if not overrides:
+        return ""
+    if isinstance(overrides, str):
+        return overrides
+    return ",".join(f"{key}={int(value)}" for key, value in overrides.items())
+
+
+# field names of the plan ops' lists, in order (csrc/binding.cpp documents them)
+GEMV_PLAN_FIELDS = ("splits", "warps", "slabs", "clusters")
+MMA_PLAN_FIELDS = ("config", "tile_m", "tile_n", "splits", "k_tiles_per_split", "items", "grid", "workspace_bytes")
+WGMMA_PLAN_FIELDS = ("tile_m", "splits", "grid_x", "token_tiles", "column_groups", "columns", "launch_per_sm",
+                     "row_split", "built_per_sm", "groups")
+
+GemvPlan = collections.namedtuple("GemvPlan", GEMV_PLAN_FIELDS)
+MmaPlan = collections.namedtuple("MmaPlan", MMA_PLAN_FIELDS)
+WgmmaPlan = collections.namedtuple("WgmmaPlan", WGMMA_PLAN_FIELDS)
+
+
+def gemv_plan(m, n, k, bits, splits=0, overrides=None) -> GemvPlan:
+    """The GEMV's launch plan on the current device; `clusters`: how many clusters of 1..8
+    one-per-SM CTAs it runs at once."""
+    p = list(torch.ops.kbit.gemv_plan(m, n, k, bits, splits, plan_overrides(overrides)))
+    return GemvPlan(*p[:3], tuple(p[3:]))
+
+
+def mma_plan(m, n, k, bits, overrides=None) -> MmaPlan:
+    return MmaPlan(*torch.ops.kbit.mma_plan(m, n, k, bits, plan_overrides(overrides)))
+
+
+def wgmma_plan(m, n, k, bits, dtype=torch.float16, splits=0, overrides=None) -> WgmmaPlan:
+    return WgmmaPlan(*torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits, plan_overrides(overrides)))

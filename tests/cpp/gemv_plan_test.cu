@@ -1,6 +1,6 @@
-// CPU check of the GEMV launch plan (csrc/kbit_gemv_plan.h), built and run by
+// CPU check of the GEMV launch plan (csrc/dispatch/gemv_plan.h), built and run by
 // tests/test_gemv_plan.py with nvcc: host code only, no GPU needed. Two kinds of checks:
-//   * the choices the H200 measurements chose (132 SMs; benchmarks/results, kbit_gemv_plan.h
+//   * the choices the H200 measurements chose (132 SMs; benchmarks/results, csrc/dispatch/gemv_plan.h
 //     says which run): Llama-3-8B's four decode layers, an lm_head, Llama-3-70B's gate_up,
 //     Phi-3-mini's qkv;
 //   * invariants over a sweep of shapes, M and K that every launch relies on (split range,
@@ -8,7 +8,10 @@
 //     the device holds them, not as SMs / 4).
 #include <cstdio>
 
-#include "kbit_gemv_plan.h"
+#include <string>
+
+#include "dispatch/gemv_plan.h"
+#include "dispatch/overrides.h"
 
 using namespace kbit;
 using namespace kbit::gemv;
@@ -104,7 +107,7 @@ int main() {
         expect_plan(m, 18944, 3584, bits, 1, kNarrowWarps, 0);
       }
     }
-    // a device without the resident layout (or KBIT_GEMV_XRES=0): never resident
+    // a device without the resident layout (or the override gemv.x_resident=0): never resident
     for (int m = 1; m <= 16; ++m) EXPECT(plan(m, 28672, 4096, bits, false).slabs == 0, "M=%d", m);
   }
 
@@ -142,6 +145,49 @@ int main() {
         }
       }
     }
+  }
+  // the call's plan (plan_gemv_on): without overrides, the planner's; with them, what they force
+  GemvTarget h200;
+  h200.num_sms = kH200Sms;
+  h200.clusters = h200.resident_layout = true;
+  h200.cluster_capacity = kH200Clusters;
+  for (int bits = 2; bits <= 5; ++bits) {
+    for (int m = 1; m <= kGemvMaxM; ++m) {
+      for (const int n : {4096, 6144, 28672, 128256}) {
+        const Plan want = plan(m, n, 4096, bits);
+        const GemvPlan got = plan_gemv_on(m, n, 4096, bits, h200, 0, GemvOverrides{});
+        EXPECT(got.splits == want.splits && got.warps == want.warps && got.slabs == want.slabs,
+               "%dx4096 M=%d K=%d: plan_gemv_on differs from choose_plan", n, m, bits);
+        EXPECT(got.wide_table && got.x_smem, "default overrides keep the wide table and the x ring");
+      }
+      GemvOverrides off;
+      off.x_resident = false;
+      EXPECT(plan_gemv_on(m, 128256, 4096, bits, h200, 0, off).slabs == 0, "gemv.x_resident=0, M=%d", m);
+      GemvOverrides g4;
+      g4.slabs = 4;
+      EXPECT(plan_gemv_on(m, 28672, 4096, bits, h200, 0, g4).slabs == 4, "gemv.slabs=4, M=%d", m);
+      EXPECT(plan_gemv_on(m, 28672, 4096, bits, h200, 2, g4).splits == 2, "a forced split stays, M=%d", m);
+      GemvTarget old = h200;  // no clusters (below sm_90): S = 1, never resident
+      old.clusters = old.resident_layout = false;
+      const GemvPlan p = plan_gemv_on(m, 4096, 14336, bits, old, 3, GemvOverrides{});
+      EXPECT(p.splits == 1 && p.slabs == 0, "no clusters: S=%d G=%d", p.splits, p.slabs);
+    }
+  }
+
+  // plan overrides: the strings the ops take
+  {
+    PlanOverrides o;
+    EXPECT(parse_overrides("", &o).empty() && o.gemv.wide_table && o.wgmma.groups == 0, "empty string: defaults");
+    EXPECT(parse_overrides(" gemv.slabs=15, wgmma.tile_m=256 ,pdl=0,mma.config=1,mma.splits=3", &o).empty(),
+           "a valid string");
+    EXPECT(o.gemv.slabs == 15 && o.wgmma.tile_m == 256 && !o.pdl && o.mma.config == 1 && o.mma.splits == 3,
+           "parsed fields");
+    EXPECT(parse_overrides("gemv.slabs=15", &o).empty() && o.wgmma.tile_m == 0 && o.pdl, "each parse starts afresh");
+    EXPECT(parse_overrides("wgmma.tile=256", &o).find("unknown override 'wgmma.tile'") != std::string::npos,
+           "an unknown key is named");
+    EXPECT(!parse_overrides("wgmma.tile_m=100", &o).empty(), "a tile that is not built");
+    EXPECT(!parse_overrides("gemv.wide_table=2", &o).empty(), "a flag is 0 or 1");
+    EXPECT(!parse_overrides("pdl", &o).empty() && !parse_overrides("pdl=x", &o).empty(), "key=integer only");
   }
   std::printf("gemv_plan_test: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;

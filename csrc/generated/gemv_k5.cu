@@ -1,8 +1,0 @@
-// GEMV instantiation for K = 5 bits (one small file per bit width, so they compile in parallel).
-#include "kbit_gemv.cuh"
-
-namespace kbit {
-namespace gemv {
-template cudaError_t launch_bits<5>(DType, const Params&, int, int, int, cudaStream_t);
-}  // namespace gemv
-}  // namespace kbit

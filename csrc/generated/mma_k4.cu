@@ -1,9 +1,0 @@
-// Tensor-core kbit GEMM, bits = 4, fp16 + bf16 (3 tile configs each). One file per bit width
-// so the four compile in parallel; the kernel itself lives in csrc/kbit_mma.cuh.
-#include "kbit_mma.cuh"
-
-namespace kbit {
-namespace mma {
-KBIT_MMA_DECLARE_BITS(4);
-}  // namespace mma
-}  // namespace kbit

@@ -1,0 +1,41 @@
+// Torch-free host launchers of the kbit MoE expert kernels (the binding, csrc/binding.cpp, is the
+// only caller). The op contract (shapes, padding ids, expert -1, num_tokens_post_padded) is the
+// one of vLLM's fused_moe with moe_align_block_size; vllm_kbit/ops.py holds the schemas and the
+// PyTorch reference. Conventions as dispatch/launchers.h: a launcher returns the first CUDA error it saw,
+// cudaErrorInvalidValue for arguments it does not support, never throws, and is CUDA-graph safe.
+//
+// Stacked expert weights: expert e's tiled layout (kbit::repack of its checkpoint tensors) is
+// row e of packed [E, expert_words] / absmax [E, expert_bytes], expert_words =
+// units * bits * 128, expert_bytes = units * 128, units = n_units(n) * k_units(k).
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "dispatch/launchers.h"
+
+namespace kbit {
+
+// Largest block_m moe_gemm serves: a block's rows are at most two n8 MMA tiles of x.
+constexpr int kMoeMaxBlockM = 16;
+
+// y[num_pairs, n] (zeroed on the stream first, so rows no block covers are 0) with row p =
+// x[p / top_k] @ W_e^T (times topk_weights[p] where given) for every pair p of a block of
+// sorted_ids whose expert e = expert_ids[block] is >= 0 and whose start is below
+// *num_tokens_post_padded; ids >= num_pairs are padding. x [num_pairs / top_k, k] and y in
+// `dtype` (fp16 / bf16); topk_weights float32 [num_pairs] or nullptr. The grid is sized from
+// num_sorted (shapes only); nothing is read on the host.
+cudaError_t launch_moe_gemm(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,
+                            const float* codebook, const int32_t* sorted_ids, const int32_t* expert_ids,
+                            const int32_t* num_tokens_post_padded, const float* topk_weights, void* y,
+                            int num_experts, int num_pairs, int num_sorted, int block_m, int top_k, int n,
+                            int k, int bits, cudaStream_t stream);
+
+// Stacked tiled experts [E, expert_words] / [E, expert_bytes] -> w [E, n, k] (fp16 / bf16 / fp32),
+// each expert bit-exact with launch_dequantize (format.dequantize); one launch, experts on the
+// grid's y dimension (repack/dequantize.cu).
+cudaError_t launch_dequantize_experts(DType dtype, const uint32_t* packed, const uint8_t* absmax,
+                                      const float* codebook, void* w, int num_experts, int n, int k, int bits,
+                                      cudaStream_t stream);
+
+}  // namespace kbit
