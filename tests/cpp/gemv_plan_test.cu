@@ -55,7 +55,7 @@ int main() {
   for (int bits = 2; bits <= 5; ++bits) {
     for (int m = 1; m <= kGemvMaxM; ++m) {
       // 8B qkv / o / down: one-slab 16-warp CTAs, x never resident (forcing it was slower at
-      // every G and S, bench_decode_gemv_xr_forced_44b970e.json, _small_layers_dfc970f.json)
+      // every slab count and split, docs/DESIGN.md)
       expect_plan(m, 6144, 4096, bits, 1, kWideWarps, 0);
       expect_plan(m, 4096, 4096, bits, 2, kWideWarps, 0);
       expect_plan(m, 4096, 14336, bits, 2, kWideWarps, 0);
