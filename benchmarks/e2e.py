@@ -5,7 +5,7 @@ only), and kbit K = 2..5, each in its own engine process, same method for all:
   latency     one batch of bs = 1 and bs = 16, 128 prompt tokens -> 256 generated (ignore_eos),
               as `vllm bench latency` does (random token ids, median of --iters after a warm-up);
   throughput  --num-prompts prompts of 512 -> 256 tokens, submitted at once (`vllm bench throughput`),
-              with at most --max-num-seqs running: 256 in every result up to the thirteenth session;
+              with at most --max-num-seqs running (default 256);
               0 leaves vLLM's default (1024 on an H100 / H200, what `vllm bench throughput` runs).
 
     python3 benchmarks/e2e.py --workdir /tmp/e2e [--configs bf16,gptq4,kbit4] [--num-prompts 1000] [--tag NAME]

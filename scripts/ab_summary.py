@@ -1,4 +1,4 @@
-"""Side-by-side table of bench_decode.py runs made under different settings in one device call
+"""Side-by-side table of bench_decode.py runs made under different settings in one sitting on one GPU
 (same-call A/B): each LABEL=DIR names a folder of bench_decode_*.json files (several runs of
 one setting are averaged, so alternate the settings and run each twice). Prints one row per
 (method, M, layer) with the µs of each label and its ratio to the first label.

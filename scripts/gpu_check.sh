@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on a fresh (or warm) H200 machine: build the extension, run the GPU tests,
+# On a GPU machine: build the extension, run the GPU tests,
 # optionally the sanitizers and the GEMM benchmark. Logs go to $OUT (the device tool's
 # result folder; ./out when run by hand).
 #

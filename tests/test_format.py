@@ -105,7 +105,7 @@ def test_quantize_picks_nearest_codebook_entry(bits):
     amax = w.abs().reshape(64, 8, 32).amax(-1)
     nearest = (kf.e4m4_table() - amax[..., None]).abs().min(-1).values
     assert ((kf.decode_e4m4(a) - amax).abs() <= nearest).all()
-    # error budget of seed 003: |w - w_hat| <= (max_gap/2 + 1/16) * absmax
+    # the format's error budget: |w - w_hat| <= (max_gap/2 + 1/16) * absmax
     w_hat = kf.dequantize(q, a, bits, dtype=torch.float64)
     absmax = amax.double().repeat_interleave(32, 1)
     gap = (cb[1:] - cb[:-1]).max()
