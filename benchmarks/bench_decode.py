@@ -88,8 +88,8 @@ def make(method, n, k, bits, peers=None, overrides=""):
     if method.startswith("kbit"):  # kbitB or kbitB-PATH:SPLITS (a forced path, tuning)
         path, splits = (method.split("-", 1)[1].split(":") + ["0"])[:2] if "-" in method else ("auto", "0")
         return bg.kbit_method(n, k, bits, bg.PATHS[path], int(splits), overrides)
-    return {"cublas-fp16": lambda: bg.cublas_method(n, k), "marlin-g128": lambda: bg.marlin_method(n, k, 128),
-            "machete-g128": lambda: bg.machete_method(n, k, 128)}[method]()
+    return {"cublas-fp16": lambda: pe.cublas_method(n, k), "marlin-g128": lambda: pe.marlin_method(n, k, 128),
+            "machete-g128": lambda: pe.machete_method(n, k, 128)}[method]()
 
 
 def main():

@@ -94,51 +94,6 @@ def kbit_method(n, k, bits, path, splits=0, overrides=""):
     return run, wbytes
 
 
-def cublas_method(n, k):
-    w = torch.randn(n, k, dtype=DT, device="cuda")
-    return (lambda x: torch.matmul(x, w.t())), w.numel() * 2
-
-
-def marlin_method(n, k, group):
-    from vllm import _custom_ops as ops
-    from vllm.model_executor.layers.quantization.utils.marlin_utils import (
-        marlin_make_empty_g_idx, marlin_make_workspace_new, marlin_permute_scales)
-    from vllm.scalar_type import scalar_types
-    try:
-        from vllm.model_executor.layers.quantization.utils.marlin_utils import should_use_atomic_add_reduce
-    except ImportError:
-        should_use_atomic_add_reduce = None
-    dev = torch.device("cuda", torch.cuda.current_device())
-    qt = scalar_types.uint4b8
-    q = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 8, n), dtype=torch.int32, device=dev)
-    empty = marlin_make_empty_g_idx(dev)
-    q_m = ops.gptq_marlin_repack(q, empty, k, n, qt.size_bits)
-    s_m = marlin_permute_scales(torch.rand(k // group, n, dtype=DT, device=dev) * 1e-2, k, n, group)
-    ws = marlin_make_workspace_new(dev)
-
-    def run(x):
-        m = x.shape[0]
-        atomic = bool(should_use_atomic_add_reduce(m=m, n=n, k=k, device=dev, dtype=DT)) \
-            if should_use_atomic_add_reduce else False
-        return ops.marlin_gemm(x, None, q_m, None, s_m, None, None, empty, empty, empty, ws, qt, size_m=m, size_n=n,
-                               size_k=k, is_k_full=True, use_atomic_add=atomic, use_fp32_reduce=True,
-                               is_zp_float=False)
-    return run, k * n // 2 + (k // group) * n * 2
-
-
-def machete_method(n, k, group=128):
-    from vllm import _custom_ops as ops
-    from vllm.scalar_type import scalar_types
-    qt = scalar_types.uint4b8
-    q = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")
-    b = ops.machete_prepack_B(q.t().contiguous().t(), a_type=DT, b_type=qt, group_scales_type=DT)
-    s = (torch.rand(k // group, n, dtype=DT, device="cuda") * 1e-2).contiguous()
-
-    def run(x):
-        return ops.machete_mm(a=x, b_q=b, b_type=qt, b_group_scales=s, b_group_zeros=None, b_group_size=group)
-    return run, k * n // 2 + (k // group) * n * 2
-
-
 # ------------------------------------------------------------------------------ main
 
 def git_commit():
@@ -266,11 +221,11 @@ def main():
                     methods.append((f"kbit{bits}-{extra}", *kbit_method(n, k, bits, PATHS[extra], 0, args.overrides),
                                     {"bits": bits, **({"max_m": max_m} if max_m else {})}))
             if not args.no_baselines:
-                methods.append(("cublas-fp16", *cublas_method(n, k), {}))
+                methods.append(("cublas-fp16", *pe.cublas_method(n, k), {}))
                 if have_vllm:
-                    for name, make in (("marlin-g128", lambda: marlin_method(n, k, 128)),
-                                       ("marlin-g32", lambda: marlin_method(n, k, 32)),
-                                       ("machete-g128", lambda: machete_method(n, k, 128))):
+                    for name, make in (("marlin-g128", lambda: pe.marlin_method(n, k, 128)),
+                                       ("marlin-g32", lambda: pe.marlin_method(n, k, 32)),
+                                       ("machete-g128", lambda: pe.machete_method(n, k, 128))):
                         try:
                             methods.append((name, *make(), {}))
                         except Exception as e:  # noqa: BLE001

@@ -326,13 +326,57 @@ def gptq_kernel_choice(bits, group, n, k, act=FP16):
     return choose_mp_linear_kernel(mp)
 
 
+def cublas_method(n, k):
+    w = torch.randn(n, k, dtype=torch.float16, device="cuda")
+    return (lambda x: torch.matmul(x, w.t())), w.numel() * 2
+
+
+def marlin_method(n, k, group):
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+        marlin_make_empty_g_idx, marlin_make_workspace_new, marlin_permute_scales)
+    from vllm.scalar_type import scalar_types
+    try:
+        from vllm.model_executor.layers.quantization.utils.marlin_utils import should_use_atomic_add_reduce
+    except ImportError:
+        should_use_atomic_add_reduce = None
+    dev = torch.device("cuda", torch.cuda.current_device())
+    qt = scalar_types.uint4b8
+    q = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 8, n), dtype=torch.int32, device=dev)
+    empty = marlin_make_empty_g_idx(dev)
+    q_m = ops.gptq_marlin_repack(q, empty, k, n, qt.size_bits)
+    s_m = marlin_permute_scales(torch.rand(k // group, n, dtype=torch.float16, device=dev) * 1e-2, k, n, group)
+    ws = marlin_make_workspace_new(dev)
+
+    def run(x):
+        m = x.shape[0]
+        atomic = bool(should_use_atomic_add_reduce(m=m, n=n, k=k, device=dev, dtype=torch.float16)) \
+            if should_use_atomic_add_reduce else False
+        return ops.marlin_gemm(x, None, q_m, None, s_m, None, None, empty, empty, empty, ws, qt, size_m=m, size_n=n,
+                               size_k=k, is_k_full=True, use_atomic_add=atomic, use_fp32_reduce=True,
+                               is_zp_float=False)
+    return run, k * n // 2 + (k // group) * n * 2
+
+
+def machete_method(n, k, group=128):
+    from vllm import _custom_ops as ops
+    from vllm.scalar_type import scalar_types
+    qt = scalar_types.uint4b8
+    q = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")
+    b = ops.machete_prepack_B(q.t().contiguous().t(), a_type=torch.float16, b_type=qt, group_scales_type=torch.float16)
+    s = (torch.rand(k // group, n, dtype=torch.float16, device="cuda") * 1e-2).contiguous()
+
+    def run(x):
+        return ops.machete_mm(a=x, b_q=b, b_type=qt, b_group_scales=s, b_group_zeros=None, b_group_size=group)
+    return run, k * n // 2 + (k // group) * n * 2
+
+
 def _gptq(n, k, bits, group):
-    import bench_gemm as bg
     kernel = gptq_kernel_choice(bits, group, n, k).__name__
     if kernel == "MacheteLinearKernel":
-        fn, wb = bg.machete_method(n, k, group)
+        fn, wb = machete_method(n, k, group)
     elif kernel == "MarlinLinearKernel":
-        fn, wb = bg.marlin_method(n, k, group)
+        fn, wb = marlin_method(n, k, group)
     elif kernel == "ExllamaLinearKernel":
         fn, wb = _exllama(n, k, bits, group)
     else:
