@@ -17,8 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vllm_kbit import format as kf
-from vllm_kbit.convert import DEFAULT_IGNORE, INDEX_NAME, ConversionError, convert, main, parse_size
+from vllm_kbit.convert import DEFAULT_IGNORE, DEFAULT_METHOD, INDEX_NAME, ConversionError, convert, main, parse_size
 from vllm_kbit.format import KbitFormatError
+from vllm_kbit.quant import default_codebook, quantize_weight
 from vllm_kbit.synthetic import ARCHITECTURES, make_random_llama, make_random_model
 
 from e2e_common import dequantized_copy
@@ -79,14 +80,17 @@ def quant_config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())["quantization_config"]
 
 
-def assert_quantized(src_t, out_t, name, bits, codebook=None):
+def assert_quantized(src_t, out_t, name, bits, codebook=None, method=DEFAULT_METHOD):
+    """The stored tensors are, bit for bit, what `method` (convert's default unless told)
+    writes with `codebook` (default: convert's default codebook)."""
     w = src_t[f"{name}.weight"]
+    codebook = default_codebook(bits) if codebook is None else codebook
     n, k = w.shape
     q, a = out_t[f"{name}.qweight"], out_t[f"{name}.absmax"]
     assert f"{name}.weight" not in out_t
     assert q.dtype == torch.int32 and q.shape == (n, k // 32 * bits), name
     assert a.dtype == torch.uint8 and a.shape == (n, k // 32), name
-    q_ref, a_ref = kf.quantize(w, bits, codebook)
+    q_ref, a_ref = quantize_weight(w, bits, codebook, method)
     assert torch.equal(q, q_ref) and torch.equal(a, a_ref), name  # the stored tensors, bit for bit
     return kf.sqnr_db(w.float(), kf.dequantize(q, a, bits, codebook))
 
@@ -119,7 +123,7 @@ def test_convert_sharded_llama(llama, tmp_path, bits):
     qc = config.pop("quantization_config")
     assert config == json.loads((llama / "config.json").read_text())
     assert (qc["quant_method"], qc["bits"], qc["block_size"], qc["absmax_format"]) == ("kbit", bits, 32, "e4m4")
-    assert torch.equal(torch.tensor(qc["codebook"], dtype=torch.float32), kf.normal_float_codebook(bits))
+    assert torch.equal(torch.tensor(qc["codebook"], dtype=torch.float32), default_codebook(bits))
     assert "lm_head" in qc["ignore"] and qc["ignore"] == report.ignore and "lm_head" not in qc
     for f in TOKENIZER_FILES:
         assert (dst / f).read_bytes() == (llama / f).read_bytes(), f
