@@ -293,7 +293,7 @@ def main():
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--calib", type=int, default=32, help="calibration windows of 512 tokens")
     ap.add_argument("--bits", type=int, nargs="+", default=[3, 2, 4, 5])
-    ap.add_argument("--only", nargs="*", default=None, help="entry names (substring match)")
+    ap.add_argument("--only", nargs="*", default=None, help="entry names, run in this order (or substrings of names)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-minilm", action="store_true")
@@ -320,8 +320,11 @@ def main():
     calib = [calib_ids[i * WINDOW:(i + 1) * WINDOW].unsqueeze(0) for i in range(args.calib)]
     originals = {n: m.weight.data.clone() for n, m in decoder_linears(model).items()}
     fitted = {}
-    for name, spec, bpw in entries(args.bits):
-        if name in results or (args.only and not any(o in name for o in args.only)):
+    todo = entries(args.bits)
+    if args.only:  # in the order given
+        todo = [e for o in args.only for e in todo if e[0] == o] or [e for e in todo if any(o in e[0] for o in args.only)]
+    for name, spec, bpw in todo:
+        if name in results:
             continue
         if spec["kind"] == "kbit":
             b = spec["bits"]

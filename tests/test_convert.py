@@ -514,3 +514,63 @@ def test_cuda_device_without_cuda_is_refused(llama, tmp_path, monkeypatch):
     with pytest.raises(ConversionError, match="device cuda requested but CUDA is not available"):
         convert(llama, tmp_path / "out", 4, device="cuda", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_fit_codebook_stores_one_codebook_per_fused_group(llama, tmp_path):
+    bits = 3
+    report = convert(llama, tmp_path / "out", bits, method="mse", fit_codebook=True, progress=False, device="cpu")
+    qc = quant_config(tmp_path / "out")
+    assert qc["codebook_per_layer"] is True
+    src_t, out_t = load_checkpoint(llama), load_checkpoint(tmp_path / "out")
+    assert sorted(report.quantized) == sorted(f"{m}.weight" for m in LINEARS)
+    cbs = {m: out_t[f"{m}.codebook"] for m in LINEARS}
+    for m, cb in cbs.items():
+        assert cb.dtype == torch.float32 and cb.shape == (1 << bits,), m
+        kf.check_codebook(cb, bits)
+        assert_quantized(src_t, out_t, m, bits, cb, method="mse")
+    for i in range(LAYERS):  # vLLM's qkv_proj / gate_up_proj are one layer: one codebook each
+        p = f"model.layers.{i}"
+        assert torch.equal(cbs[f"{p}.self_attn.q_proj"], cbs[f"{p}.self_attn.k_proj"])
+        assert torch.equal(cbs[f"{p}.self_attn.q_proj"], cbs[f"{p}.self_attn.v_proj"])
+        assert torch.equal(cbs[f"{p}.mlp.gate_proj"], cbs[f"{p}.mlp.up_proj"])
+        assert not torch.equal(cbs[f"{p}.self_attn.q_proj"], cbs[f"{p}.mlp.down_proj"])
+        assert not torch.equal(cbs[f"{p}.self_attn.q_proj"], default_codebook(bits))
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_methods_via_cli(llama, tmp_path, method):
+    """rtn: format.quantize bit for bit; gptq: calibrated on a text file, a valid checkpoint
+    whose layer outputs are closer to the source's than rtn's on the calibration text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"The value of item {i} is {i * 7 % 13} and the next one follows." for i in range(400)))
+    args = [str(llama), str(tmp_path / method), "--bits", "3", "--device", "cpu", "--method", method]
+    assert main(args + (["--calib", str(text)] if method == "gptq" else [])) == 0
+    src_t, out_t = load_checkpoint(llama), load_checkpoint(tmp_path / method)
+    if method == "rtn":
+        for m in LINEARS:
+            q_ref, a_ref = kf.quantize(src_t[f"{m}.weight"], 3, default_codebook(3))
+            assert torch.equal(out_t[f"{m}.qweight"], q_ref) and torch.equal(out_t[f"{m}.absmax"], a_ref)
+        return
+    rtn = tmp_path / "rtn"
+    assert main([str(llama), str(rtn), "--bits", "3", "--device", "cpu", "--method", "rtn"]) == 0
+    ids = AutoTokenizer.from_pretrained(llama)(text.read_text()[:2000], return_tensors="pt").input_ids[:, :128]
+    logits = {}
+    for name, folder in (("src", llama), ("gptq", dequantized_copy(tmp_path / "gptq", tmp_path / "dg")),
+                         ("rtn", dequantized_copy(rtn, tmp_path / "dr"))):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits[name] = model(ids).logits.double()
+    err = {m: ((logits[m] - logits["src"]).norm() / logits["src"].norm()).item() for m in ("gptq", "rtn")}
+    assert err["gptq"] < err["rtn"], err
+
+
+def test_calib_needs_gptq_and_a_file(llama, tmp_path):
+    with pytest.raises(ConversionError, match="--calib is only used by --method gptq"):
+        convert(llama, tmp_path / "o", 4, method="mse", calib="x.txt", progress=False)
+    with pytest.raises(ConversionError, match="no such file"):
+        convert(llama, tmp_path / "o", 4, method="gptq", calib=str(tmp_path / "missing.txt"), progress=False)
+    with pytest.raises(ConversionError, match="method must be one of"):
+        convert(llama, tmp_path / "o", 4, method="awq", progress=False)
+    assert not (tmp_path / "o").exists()

@@ -407,7 +407,7 @@ def _write_shards(items: list[_Item], out: Path, bits: int, codebook: torch.Tens
                         underflow = kf.check_quantizable(t, it.name)
                         q, a, layer_cb = plan(it.name, t)
                         if layer_cb is not None:
-                            tensors[f"{prefix}.codebook"] = layer_cb.float().contiguous()
+                            tensors[f"{prefix}.codebook"] = layer_cb.float().clone()  # own storage per tensor
                     tensors[f"{prefix}.qweight"], tensors[f"{prefix}.absmax"] = q.cpu(), a.cpu()
                     if underflow:
                         report.underflow_blocks[it.name] = underflow
