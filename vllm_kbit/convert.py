@@ -2,7 +2,7 @@
 
     python -m vllm_kbit.convert SRC DST --bits K [--ignore PATTERN ...] [--overwrite]
         [--quantize-lm-head] [--device cpu|cuda] [--codebook JSON_FILE_OR_LIST] [--max-shard-size 2GB]
-        [--method rtn|mse|gptq] [--calib TEXT_FILE] [--fit-codebook]
+        [--method rtn|mse|gptq] [--calib TEXT_FILE] [--calib-samples 128] [--fit-codebook]
 
 What is quantized: the weight of every `Linear` of the architecture named by SRC/config.json,
 found by building that architecture on the meta device with transformers and matching it with
@@ -428,7 +428,7 @@ def _write_shards(items: list[_Item], out: Path, bits: int, codebook: torch.Tens
 # ----------------------------------------------------------------------------- methods
 
 def _make_plan(src: Path, items: list[_Item], bits: int, cb: torch.Tensor, device: torch.device,
-               method: str, fit_codebook: bool, calib: str | None, progress: bool):
+               method: str, fit_codebook: bool, calib: str | None, calib_samples: int, progress: bool):
     """None for plain rtn (the quantize kernel, tensor by tensor); else a quant.plan.Plan with
     its codebooks fitted and, for gptq, the calibrated quantization done."""
     if method == "rtn" and not fit_codebook:
@@ -449,7 +449,7 @@ def _make_plan(src: Path, items: list[_Item], bits: int, cb: torch.Tensor, devic
         plan.fit_codebooks(list(where), read, progress)
     if method == "gptq":
         try:
-            plan.run_gptq(src, set(where), calib, progress)
+            plan.run_gptq(src, set(where), calib, progress, samples=calib_samples)
         except CalibrationError as e:
             raise ConversionError(str(e)) from None
     return plan
@@ -460,7 +460,7 @@ def _make_plan(src: Path, items: list[_Item], bits: int, cb: torch.Tensor, devic
 def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = False,
             device: str | torch.device | None = None, max_shard_size: int | str = "2GB",
             progress: bool = True, quantize_lm_head: bool = False, method: str = DEFAULT_METHOD,
-            calib: str | None = None, fit_codebook: bool = False) -> ConversionReport:
+            calib: str | None = None, calib_samples: int = 128, fit_codebook: bool = False) -> ConversionReport:
     """Write a kbit checkpoint of the HF safetensors model folder `src` to `dst` (see the module
     docstring). `ignore`: extra compressed-tensors patterns of modules to keep unquantized;
     `quantize_lm_head`: quantize the output projection too (smaller and faster per decode step,
@@ -475,6 +475,8 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     cb = default_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
     if method not in METHODS:
         raise ConversionError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if calib_samples < 1:
+        raise ConversionError(f"calib_samples must be at least 1, got {calib_samples}")
     if calib is not None and method != "gptq":
         raise ConversionError(f"--calib is only used by --method gptq (got --method {method})")
     shard_limit = parse_size(max_shard_size)
@@ -548,7 +550,7 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.kbit-tmp-", dir=dst.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would make DST private
-        plan = _make_plan(src, items, bits, cb, dev, method, fit_codebook, calib, progress)
+        plan = _make_plan(src, items, bits, cb, dev, method, fit_codebook, calib, calib_samples, progress)
         _write_shards(items, tmp, bits, cb, dev, shard_limit, progress, report, plan)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _copy_other_files(src, tmp, report)
@@ -602,6 +604,8 @@ def main(argv=None) -> int:
                              f"run through the model (default {DEFAULT_METHOD})")
     parser.add_argument("--calib", default=None, metavar="TEXT_FILE",
                         help="gptq calibration text (plain text; default: text the model samples itself)")
+    parser.add_argument("--calib-samples", type=int, default=128, metavar="N",
+                        help="gptq calibration windows of 512 tokens (default 128)")
     parser.add_argument("--fit-codebook", action="store_true",
                         help="store a codebook fitted to each layer's weights (Lloyd-Max) with the layer")
     try:
@@ -610,6 +614,7 @@ def main(argv=None) -> int:
         report = convert(args.src, args.dst, args.bits, ignore=args.ignore, codebook=codebook,
                          overwrite=args.overwrite, device=args.device, max_shard_size=args.max_shard_size,
                          quantize_lm_head=args.quantize_lm_head, method=args.method, calib=args.calib,
+                         calib_samples=args.calib_samples,
                          fit_codebook=args.fit_codebook)
     except (KbitFormatError, ConversionError, OSError) as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
