@@ -297,10 +297,16 @@ def main():
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-minilm", action="store_true")
+    ap.add_argument("--minilm-only", action="store_true", help="only the MiniLM SQNR (to quality_minilm.json)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.minilm_only:
+        doc = {}
+        minilm_sqnr(doc)
+        (out_dir / "quality_minilm.json").write_text(json.dumps(doc["minilm"], indent=1) + "\n")
+        return
     jpath = out_dir / "quality_smollm2.json"
     doc = json.loads(jpath.read_text()) if jpath.is_file() else {}
     doc.setdefault("meta", {}).update(
