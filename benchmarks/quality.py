@@ -167,14 +167,17 @@ def fitted_codebooks(originals: dict, bits: int, search: int) -> dict[str, torch
 
 
 def int_rtn(w, bits, group):
-    """Asymmetric integer RTN per group (GPTQ / AWQ storage without their algorithms)."""
-    n, k = w.shape
-    g = w.reshape(n, k // group, group)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-8).half().float()
-    zero = torch.round(-lo / scale)
-    q = (torch.round(g / scale) + zero).clamp(0, 2 ** bits - 1)
-    return ((q - zero) * scale).reshape(n, k)
+    """Asymmetric integer RTN per group of `group` input columns (GPTQ / AWQ storage without
+    their algorithms); a last partial group when in_features is not a multiple (576 = 4.5 x 128)."""
+    out = torch.empty_like(w)
+    for c in range(0, w.shape[1], group):
+        g = w[:, c:c + group]
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-8).half().float()
+        zero = torch.round(-lo / scale)
+        q = (torch.round(g / scale) + zero).clamp(0, 2 ** bits - 1)
+        out[:, c:c + group] = (q - zero) * scale
+    return out
 
 
 def hqq_weight(w, bits, group=64):
