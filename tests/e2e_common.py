@@ -27,8 +27,9 @@ def dequantized_copy(kbit_dir: Path, dst: Path) -> Path:
     for name, t in tensors.items():
         if name.endswith(".qweight"):
             p = name[: -len(".qweight")]
-            out[p + ".weight"] = kf.dequantize(t, tensors[p + ".absmax"], qc["bits"], cb, dtype=torch.bfloat16)
-        elif not name.endswith(".absmax"):
+            layer_cb = tensors.get(p + ".codebook", cb)  # convert --fit-codebook
+            out[p + ".weight"] = kf.dequantize(t, tensors[p + ".absmax"], qc["bits"], layer_cb, dtype=torch.bfloat16)
+        elif not name.endswith((".absmax", ".codebook")):
             out[name] = t
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(cfg))

@@ -17,8 +17,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vllm_kbit import format as kf
-from vllm_kbit.convert import DEFAULT_IGNORE, INDEX_NAME, ROUTER_PATTERN, ConversionError, convert, main, parse_size
+from vllm_kbit.convert import (DEFAULT_IGNORE, DEFAULT_METHOD, INDEX_NAME, ROUTER_PATTERN, ConversionError, convert,
+                               main, parse_size)
 from vllm_kbit.format import KbitFormatError
+from vllm_kbit.quant import default_codebook, quantize_weight
 from vllm_kbit.synthetic import ARCHITECTURES, MOE_ARCHITECTURES, make_random_llama, make_random_model
 
 from e2e_common import dequantized_copy
@@ -81,14 +83,17 @@ def quant_config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())["quantization_config"]
 
 
-def assert_quantized(src_t, out_t, name, bits, codebook=None):
+def assert_quantized(src_t, out_t, name, bits, codebook=None, method=DEFAULT_METHOD):
+    """The stored tensors are, bit for bit, what `method` (convert's default unless told)
+    writes with `codebook` (default: convert's default codebook)."""
     w = src_t[f"{name}.weight"]
+    codebook = default_codebook(bits) if codebook is None else codebook
     n, k = w.shape
     q, a = out_t[f"{name}.qweight"], out_t[f"{name}.absmax"]
     assert f"{name}.weight" not in out_t
     assert q.dtype == torch.int32 and q.shape == (n, k // 32 * bits), name
     assert a.dtype == torch.uint8 and a.shape == (n, k // 32), name
-    q_ref, a_ref = kf.quantize(w, bits, codebook)
+    q_ref, a_ref = quantize_weight(w, bits, codebook, method)
     assert torch.equal(q, q_ref) and torch.equal(a, a_ref), name  # the stored tensors, bit for bit
     return kf.sqnr_db(w.float(), kf.dequantize(q, a, bits, codebook))
 
@@ -121,7 +126,7 @@ def test_convert_sharded_llama(llama, tmp_path, bits):
     qc = config.pop("quantization_config")
     assert config == json.loads((llama / "config.json").read_text())
     assert (qc["quant_method"], qc["bits"], qc["block_size"], qc["absmax_format"]) == ("kbit", bits, 32, "e4m4")
-    assert torch.equal(torch.tensor(qc["codebook"], dtype=torch.float32), kf.normal_float_codebook(bits))
+    assert torch.equal(torch.tensor(qc["codebook"], dtype=torch.float32), default_codebook(bits))
     assert "lm_head" in qc["ignore"] and qc["ignore"] == report.ignore and "lm_head" not in qc
     for f in TOKENIZER_FILES:
         assert (dst / f).read_bytes() == (llama / f).read_bytes(), f
@@ -565,3 +570,63 @@ def test_fused_3d_experts_are_refused_unless_ignored(tmp_path):
         convert(src, tmp_path / "kbit", 4, progress=False)
     convert(src, tmp_path / "kbit", 4, ignore=[r"re:.*\.experts(\..*)?$"], progress=False)
     assert same_bytes(load_checkpoint(tmp_path / "kbit")[fused], tensors[fused])
+
+
+def test_fit_codebook_stores_one_codebook_per_fused_group(llama, tmp_path):
+    bits = 3
+    report = convert(llama, tmp_path / "out", bits, method="mse", fit_codebook=True, progress=False, device="cpu")
+    qc = quant_config(tmp_path / "out")
+    assert qc["codebook_per_layer"] is True
+    src_t, out_t = load_checkpoint(llama), load_checkpoint(tmp_path / "out")
+    assert sorted(report.quantized) == sorted(f"{m}.weight" for m in LINEARS)
+    cbs = {m: out_t[f"{m}.codebook"] for m in LINEARS}
+    for m, cb in cbs.items():
+        assert cb.dtype == torch.float32 and cb.shape == (1 << bits,), m
+        kf.check_codebook(cb, bits)
+        assert_quantized(src_t, out_t, m, bits, cb, method="mse")
+    for i in range(LAYERS):  # vLLM's qkv_proj / gate_up_proj are one layer: one codebook each
+        p = f"model.layers.{i}"
+        assert torch.equal(cbs[f"{p}.self_attn.q_proj"], cbs[f"{p}.self_attn.k_proj"])
+        assert torch.equal(cbs[f"{p}.self_attn.q_proj"], cbs[f"{p}.self_attn.v_proj"])
+        assert torch.equal(cbs[f"{p}.mlp.gate_proj"], cbs[f"{p}.mlp.up_proj"])
+        assert not torch.equal(cbs[f"{p}.self_attn.q_proj"], cbs[f"{p}.mlp.down_proj"])
+        assert not torch.equal(cbs[f"{p}.self_attn.q_proj"], default_codebook(bits))
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_methods_via_cli(llama, tmp_path, method):
+    """rtn: format.quantize bit for bit; gptq: calibrated on a text file, a valid checkpoint
+    whose layer outputs are closer to the source's than rtn's on the calibration text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"The value of item {i} is {i * 7 % 13} and the next one follows." for i in range(400)))
+    args = [str(llama), str(tmp_path / method), "--bits", "3", "--device", "cpu", "--method", method]
+    assert main(args + (["--calib", str(text)] if method == "gptq" else [])) == 0
+    src_t, out_t = load_checkpoint(llama), load_checkpoint(tmp_path / method)
+    if method == "rtn":
+        for m in LINEARS:
+            q_ref, a_ref = kf.quantize(src_t[f"{m}.weight"], 3, default_codebook(3))
+            assert torch.equal(out_t[f"{m}.qweight"], q_ref) and torch.equal(out_t[f"{m}.absmax"], a_ref)
+        return
+    rtn = tmp_path / "rtn"
+    assert main([str(llama), str(rtn), "--bits", "3", "--device", "cpu", "--method", "rtn"]) == 0
+    ids = AutoTokenizer.from_pretrained(llama)(text.read_text()[:2000], return_tensors="pt").input_ids[:, :128]
+    logits = {}
+    for name, folder in (("src", llama), ("gptq", dequantized_copy(tmp_path / "gptq", tmp_path / "dg")),
+                         ("rtn", dequantized_copy(rtn, tmp_path / "dr"))):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits[name] = model(ids).logits.double()
+    err = {m: ((logits[m] - logits["src"]).norm() / logits["src"].norm()).item() for m in ("gptq", "rtn")}
+    assert err["gptq"] < err["rtn"], err
+
+
+def test_calib_needs_gptq_and_a_file(llama, tmp_path):
+    with pytest.raises(ConversionError, match="--calib is only used by --method gptq"):
+        convert(llama, tmp_path / "o", 4, method="mse", calib="x.txt", progress=False)
+    with pytest.raises(ConversionError, match="no such file"):
+        convert(llama, tmp_path / "o", 4, method="gptq", calib=str(tmp_path / "missing.txt"), progress=False)
+    with pytest.raises(ConversionError, match="method must be one of"):
+        convert(llama, tmp_path / "o", 4, method="awq", progress=False)
+    assert not (tmp_path / "o").exists()

@@ -379,3 +379,67 @@ def test_dummy_load_fills_valid_kbit_weights():
         assert (counts > 0).all(), "some block position never gets some codebook index"
         scale = kf.decode_e4m4(layer.absmax.data.cpu())
         assert 0.028 <= scale.min() and scale.max() <= 0.13
+
+
+def _random_codebook(bits, gen):
+    cb = torch.sort(torch.rand(1 << bits, generator=gen) * 1.8 - 0.9).values
+    cb[0] = -1.0  # asymmetric: no NF-like codebook maps to it
+    return cb
+
+
+def build_with_codebooks(kind, bits, shards, codebooks):
+    """`build`, with a per-layer codebook tensor loaded per shard as a model's load_weights
+    routes `P.codebook` (the shard id of fused layers, none otherwise)."""
+    cfg = make_config(bits, codebook_per_layer=True)
+    torch.set_default_device(DEVICE)
+    try:
+        layer = {"qkv": lambda: QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, bias=False, quant_config=cfg,
+                                                  prefix="model.layers.0.self_attn.qkv_proj",
+                                                  params_dtype=torch.bfloat16),
+                 "row": lambda: RowParallelLinear(INTER, HIDDEN, bias=False, quant_config=cfg, reduce_results=False,
+                                                  prefix="model.layers.0.mlp.down_proj",
+                                                  params_dtype=torch.bfloat16)}[kind]()
+        for shard_id, (q, a) in shards.items():
+            args = () if shard_id is None else (shard_id,)
+            layer.qweight.weight_loader(layer.qweight, q, *args)
+            layer.absmax.weight_loader(layer.absmax, a, *args)
+            if shard_id in codebooks:
+                layer.codebook.weight_loader(layer.codebook, codebooks[shard_id], *args)
+        layer.quant_method.process_weights_after_loading(layer)
+    finally:
+        torch.set_default_device("cpu")
+    return layer
+
+
+@pytest.mark.parametrize("bits", kf.SUPPORTED_BITS)
+@pytest.mark.parametrize("kind", ["qkv", "row"])
+def test_per_layer_codebook_reaches_the_op(kind, bits):
+    """quantization_config.codebook_per_layer: each layer computes with its own `codebook`
+    tensor (shared by a fused layer's shards), not the config's."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"layer-cb-{kind}-{bits}".encode()))
+    cb = _random_codebook(bits, gen)
+    if kind == "qkv":
+        shards = {s: checkpoint(r * HEAD, HIDDEN, bits, gen, cb) for s, r in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS))}
+    else:
+        shards = {None: checkpoint(HIDDEN, INTER, bits, gen, cb)}
+    layer = build_with_codebooks(kind, bits, shards, {s: cb.clone() for s in shards})
+    assert not hasattr(layer, "codebook") and torch.equal(layer.kbit_codebook.cpu(), cb)
+    w = full_weight(shards, bits, cb)
+    x = torch.randn(9, w.shape[1], generator=gen).to(torch.bfloat16)
+    y = forward(layer, x)
+    assert rel_err(y, x.double() @ w.t()) < TOL[torch.bfloat16]
+    assert rel_err(y, x.double() @ full_weight(shards, bits).t()) > 0.05  # the config's codebook would be far off
+
+
+def test_per_layer_codebook_errors_name_the_layer():
+    bits, gen = 3, torch.Generator().manual_seed(3)
+    cb, other = _random_codebook(bits, gen), _random_codebook(bits, gen)
+    shards = {s: checkpoint(r * HEAD, HIDDEN, bits, gen, cb) for s, r in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS))}
+    with pytest.raises(ValueError, match=r"qkv_proj\.codebook: shard 'k' carries a codebook different"):
+        build_with_codebooks("qkv", bits, shards, {"q": cb, "k": other, "v": cb})
+    with pytest.raises(ValueError, match=r"qkv_proj\.codebook is missing from the checkpoint \(loaded shards: \['q', 'v'\]"):
+        build_with_codebooks("qkv", bits, shards, {"q": cb, "v": cb})
+    with pytest.raises(ValueError, match=r"qkv_proj\.codebook: codebook has 4 entries but bits=3"):
+        build_with_codebooks("qkv", bits, shards, {"q": cb[:4]})
+    with pytest.raises(ValueError, match="codebook_per_layer must be true or false"):
+        make_config(bits, codebook_per_layer="yes")

@@ -39,7 +39,7 @@ class KbitConfig(QuantizationConfig):
 
     def __init__(self, bits: int = 4, block_size: int = kf.BLOCK_SIZE, codebook=None,
                  ignore: list[str] | None = None, absmax_format: str = "e4m4",
-                 from_checkpoint: bool = False, lm_head: bool = False):
+                 from_checkpoint: bool = False, lm_head: bool = False, codebook_per_layer: bool = False):
         super().__init__()
         kf.check_bits(bits)
         if block_size != kf.BLOCK_SIZE:
@@ -59,6 +59,11 @@ class KbitConfig(QuantizationConfig):
         if lm_head and "lm_head" in self.ignore:
             raise ValueError("kbit quantization_config: lm_head is true but 'lm_head' is in ignore")
         self.lm_head_quantized = lm_head
+        if not isinstance(codebook_per_layer, bool):
+            raise ValueError(f"kbit quantization_config: codebook_per_layer must be true or false, "
+                             f"got {codebook_per_layer!r}")
+        # every quantized layer stores its own `codebook` tensor (convert --fit-codebook)
+        self.codebook_per_layer = codebook_per_layer
         self.from_checkpoint = from_checkpoint
 
     def __repr__(self) -> str:
@@ -86,7 +91,8 @@ class KbitConfig(QuantizationConfig):
                    codebook=cls.get_from_keys_or(config, ["codebook"], None),
                    ignore=cls.get_from_keys_or(config, ["ignore"], None),
                    absmax_format=cls.get_from_keys_or(config, ["absmax_format"], "e4m4"),
-                   from_checkpoint=True, lm_head=cls.get_from_keys_or(config, ["lm_head"], False))
+                   from_checkpoint=True, lm_head=cls.get_from_keys_or(config, ["lm_head"], False),
+                   codebook_per_layer=cls.get_from_keys_or(config, ["codebook_per_layer"], False))
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         if self.ignore:

@@ -2,6 +2,7 @@
 
     python -m vllm_kbit.convert SRC DST --bits K [--ignore PATTERN ...] [--overwrite]
         [--quantize-lm-head] [--device cpu|cuda] [--codebook JSON_FILE_OR_LIST] [--max-shard-size 2GB]
+        [--method rtn|mse|gptq] [--calib TEXT_FILE] [--calib-samples 128] [--fit-codebook]
 
 What is quantized: the weight of every `Linear` of the architecture named by SRC/config.json,
 found by building that architecture on the meta device with transformers and matching it with
@@ -58,6 +59,10 @@ import torch
 
 from vllm_kbit import format as kf
 from vllm_kbit.format import KbitFormatError
+from vllm_kbit.quant import METHODS, default_codebook
+
+# See docs/FORMAT.md ("Choosing a method") for the measurement behind the default.
+DEFAULT_METHOD = "mse"
 
 # lm_head; MoE routers (a layer's `gate`, Qwen2-MoE's `shared_expert_gate`, `router`): tiny
 # linears whose rounding would move every token's choice of experts; vllm_kbit.config keeps
@@ -557,7 +562,7 @@ def _install(tmp: Path, dst: Path) -> None:
 
 def _write_shards(items: list[_Item], out: Path, bits: int, codebook: torch.Tensor,
                   device: torch.device, shard_limit: int, progress: bool,
-                  report: ConversionReport) -> None:
+                  report: ConversionReport, plan=None) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -586,7 +591,13 @@ def _write_shards(items: list[_Item], out: Path, bits: int, codebook: torch.Tens
                     t = f.get_tensor(it.name)
                 if it.quantize:
                     prefix = it.name[:-len(".weight")]
-                    q, a, underflow = ops.quantize(t.to(device), bits, codebook, it.name)
+                    if plan is None:  # rtn with the config's codebook: the quantize kernel
+                        q, a, underflow = ops.quantize(t.to(device), bits, codebook, it.name)
+                    else:
+                        underflow = kf.check_quantizable(t, it.name)
+                        q, a, layer_cb = plan(it.name, t)
+                        if layer_cb is not None:
+                            tensors[f"{prefix}.codebook"] = layer_cb.float().clone()  # own storage per tensor
                     tensors[f"{prefix}.qweight"], tensors[f"{prefix}.absmax"] = q.cpu(), a.cpu()
                     if underflow:
                         report.underflow_blocks[it.name] = underflow
@@ -604,21 +615,61 @@ def _write_shards(items: list[_Item], out: Path, bits: int, codebook: torch.Tens
     report.num_shards = n
 
 
+# ----------------------------------------------------------------------------- methods
+
+def _make_plan(src: Path, items: list[_Item], bits: int, cb: torch.Tensor, device: torch.device,
+               method: str, fit_codebook: bool, calib: str | None, calib_samples: int, progress: bool):
+    """None for plain rtn (the quantize kernel, tensor by tensor); else a quant.plan.Plan with
+    its codebooks fitted and, for gptq, the calibrated quantization done."""
+    if method == "rtn" and not fit_codebook:
+        return None
+    from safetensors import safe_open
+
+    from vllm_kbit.quant.calibrate import CalibrationError
+    from vllm_kbit.quant.plan import Plan
+
+    where = {it.name: it.file for it in items if it.quantize}
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    plan = Plan(method, bits, cb, device, fit=fit_codebook)
+    if fit_codebook:
+        plan.fit_codebooks(list(where), read, progress)
+    if method == "gptq":
+        try:
+            plan.run_gptq(src, set(where), calib, progress, samples=calib_samples)
+        except CalibrationError as e:
+            raise ConversionError(str(e)) from None
+    return plan
+
+
 # ----------------------------------------------------------------------------- API
 
 @_sigterm_unwinds()
 def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = False,
             device: str | torch.device | None = None, max_shard_size: int | str = "2GB",
-            progress: bool = True, quantize_lm_head: bool = False) -> ConversionReport:
+            progress: bool = True, quantize_lm_head: bool = False, method: str = DEFAULT_METHOD,
+            calib: str | None = None, calib_samples: int = 128, fit_codebook: bool = False) -> ConversionReport:
     """Write a kbit checkpoint of the HF safetensors model folder `src` to `dst` (see the module
     docstring). `ignore`: extra compressed-tensors patterns of modules to keep unquantized;
     `quantize_lm_head`: quantize the output projection too (smaller and faster per decode step,
     with the lm_head's rounding error on every logit);
-    `codebook`: 2^bits ascending floats in [-1, 1] (default format.normal_float_codebook);
+    `codebook`: 2^bits ascending floats in [-1, 1] (default quant.default_codebook, the
+    normal-float codebook with a zero level); `method`: rtn, mse or gptq (quant/rounding.py;
+    gptq runs the model over `calib`, a plain-text file, or over text the model samples);
+    `fit_codebook`: store a Lloyd-Max codebook per layer (one per fused q/k/v and gate/up group);
     `device`: where to quantize (default cuda when available). Raises ConversionError or
     KbitFormatError (naming the tensor) on bad input, leaving nothing behind."""
     kf.check_bits(bits)
-    cb = kf.normal_float_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
+    cb = default_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
+    if method not in METHODS:
+        raise ConversionError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if calib_samples < 1:
+        raise ConversionError(f"calib_samples must be at least 1, got {calib_samples}")
+    if calib is not None and method != "gptq":
+        raise ConversionError(f"--calib is only used by --method gptq (got --method {method})")
     shard_limit = parse_size(max_shard_size)
     user_ignore = [ignore] if isinstance(ignore, str) else list(ignore)
     for p in user_ignore:
@@ -683,6 +734,8 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
         "codebook": [float(v) for v in cb], "ignore": report.ignore}
     if quantize_lm_head:
         config["quantization_config"]["lm_head"] = True
+    if fit_codebook:
+        config["quantization_config"]["codebook_per_layer"] = True
 
     _check_ranges(items, dev, progress)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -690,7 +743,8 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(dst)}{_owner_tag()}-", dir=dst.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would make DST private
-        _write_shards(items, tmp, bits, cb, dev, shard_limit, progress, report)
+        plan = _make_plan(src, items, bits, cb, dev, method, fit_codebook, calib, calib_samples, progress)
+        _write_shards(items, tmp, bits, cb, dev, shard_limit, progress, report, plan)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _copy_other_files(src, tmp, report)
         _install(tmp, dst)
@@ -750,12 +804,24 @@ def main(argv=None) -> int:
     parser.add_argument("--codebook", default=None, metavar="JSON_FILE_OR_LIST",
                         help="custom codebook: 2^bits ascending floats in [-1, 1]")
     parser.add_argument("--max-shard-size", default="2GB", help="output shard size (default 2GB)")
+    parser.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS,
+                        help=f"rtn: nearest level of the absmax scale; mse: per-block scale searched for the "
+                             f"smallest error (data-free); gptq: error-compensated rounding calibrated on text "
+                             f"run through the model (default {DEFAULT_METHOD})")
+    parser.add_argument("--calib", default=None, metavar="TEXT_FILE",
+                        help="gptq calibration text (plain text; default: text the model samples itself)")
+    parser.add_argument("--calib-samples", type=int, default=128, metavar="N",
+                        help="gptq calibration windows of 512 tokens (default 128)")
+    parser.add_argument("--fit-codebook", action="store_true",
+                        help="store a codebook fitted to each layer's weights (Lloyd-Max) with the layer")
     try:
         args = parser.parse_args(argv)
         codebook = _load_codebook(args.codebook) if args.codebook is not None else None
         report = convert(args.src, args.dst, args.bits, ignore=args.ignore, codebook=codebook,
                          overwrite=args.overwrite, device=args.device, max_shard_size=args.max_shard_size,
-                         quantize_lm_head=args.quantize_lm_head)
+                         quantize_lm_head=args.quantize_lm_head, method=args.method, calib=args.calib,
+                         calib_samples=args.calib_samples,
+                         fit_codebook=args.fit_codebook)
     except (*CLI_ERRORS, KeyboardInterrupt) as e:
         return cli_error(e)
     print(report.summary())

@@ -78,6 +78,36 @@ class KbitLinearMethod(LinearMethodBase):
             data=torch.empty(n, k // kf.BLOCK_SIZE, dtype=torch.uint8), input_dim=1, output_dim=0,
             weight_loader=self._checked_loader(layer, "absmax", loader, torch.uint8,
                                                input_size // kf.BLOCK_SIZE)))
+        if self.config.codebook_per_layer and layer.kbit_mode == "checkpoint":
+            self._create_codebook(layer)
+
+    def _create_codebook(self, layer: torch.nn.Module) -> None:
+        """The layer's own codebook (`P.codebook`, float32 [2^bits]). A fused layer (qkv_proj,
+        gate_up_proj) is one kernel call with one codebook, so its shards must carry equal ones
+        (convert --fit-codebook fits one per fused group)."""
+        from vllm.model_executor.utils import set_weight_attrs
+
+        n = 1 << self.config.bits
+        param = torch.nn.Parameter(torch.empty(n, dtype=torch.float32), requires_grad=False)
+        full = f"{self.prefix}.codebook"
+
+        def load(param, loaded_weight: torch.Tensor, *args, **kwargs):
+            try:
+                cb = kf.check_codebook(loaded_weight, self.config.bits)
+            except kf.KbitFormatError as e:
+                raise ValueError(f"kbit: {full}: {e}") from None
+            shard = args[0] if args else kwargs.get("loaded_shard_id")
+            seen = layer.kbit_loaded.setdefault("codebook", set())
+            if seen and not torch.equal(param.data.cpu(), cb):
+                raise ValueError(
+                    f"kbit: {full}: shard {shard!r} carries a codebook different from the other "
+                    f"shard(s) of this fused layer ({sorted(map(str, seen))}); vLLM runs them as one "
+                    f"layer with one codebook (convert --fit-codebook fits one per fused group)")
+            param.data.copy_(cb)
+            seen.update(shard if isinstance(shard, tuple) else (shard,))
+
+        set_weight_attrs(param, {"weight_loader": load})
+        layer.register_parameter("codebook", param)
 
     def _checked_loader(self, layer, name, loader, dtype, cols):
         """vLLM's loader, after checks that name the tensor, recording which shards arrived
@@ -111,6 +141,10 @@ class KbitLinearMethod(LinearMethodBase):
                 absmax.random_(_DUMMY_CODE_LO, _DUMMY_CODE_HI + 1)
             else:
                 self._check_all_loaded(layer, ("qweight", "absmax"))
+                if hasattr(layer, "codebook"):  # quantization_config.codebook_per_layer
+                    self._check_all_loaded(layer, ("codebook",))
+                    cb = layer.codebook.data.float().cpu()
+                    del layer.codebook
         packed, absmax_packed = ops.repack(qweight, absmax, bits)
         for name, t in (("qweight", packed), ("absmax", absmax_packed)):
             if hasattr(layer, name):

