@@ -463,7 +463,8 @@ def test_online_quantization_of_float_experts():
                           * 0.05).to(torch.bfloat16) for e in range(num) for s, name in SHARDS}
     layer = build_moe(KbitConfig(), num, hidden, inter, 2, floats=floats)
     assert not hasattr(layer, "w13_weight") and layer.w13_qweight.dtype == torch.int32
-    deq = {key: kf.dequantize(*kf.quantize(w, 4), 4, dtype=torch.float64) for key, w in floats.items()}
+    cb = layer.quant_method.config.codebook
+    deq = {key: kf.dequantize(*kf.quantize(w, 4, cb), 4, cb, dtype=torch.float64) for key, w in floats.items()}
     w13 = torch.stack([torch.cat([deq[(e, "gate_proj")], deq[(e, "up_proj")]]) for e in range(num)])
     w2 = torch.stack([deq[(e, "down_proj")] for e in range(num)])
     weights, ids = routing(5, num, 2, gen)
@@ -581,6 +582,7 @@ def test_vllm_model_loads_converted_experts(moe_model):
     block, (gate, up, down) = MODEL_ARCHS[arch]
     model = load_vllm_model(kbit)
     ckpt = checkpoint_tensors(kbit)
+    codebook = torch.tensor(json.loads((kbit / "config.json").read_text())["quantization_config"]["codebook"])
     gen = torch.Generator().manual_seed(11)
     for i, layer in enumerate(model.model.layers):
         moe = getattr(layer, block)
@@ -593,7 +595,7 @@ def test_vllm_model_loads_converted_experts(moe_model):
 
         def deq(e, proj):
             p = f"model.layers.{i}.{block}.experts.{e}.{proj}"
-            return kf.dequantize(ckpt[p + ".qweight"], ckpt[p + ".absmax"], 3, dtype=torch.float64)
+            return kf.dequantize(ckpt[p + ".qweight"], ckpt[p + ".absmax"], 3, codebook, dtype=torch.float64)
         num = experts.w13_qweight.shape[0]
         w13 = torch.stack([torch.cat([deq(e, gate), deq(e, up)]) for e in range(num)])
         w2 = torch.stack([deq(e, down) for e in range(num)])
@@ -623,13 +625,14 @@ def test_vllm_model_reports_a_missing_expert_tensor(moe_model, tmp_path):
 
 def test_vllm_model_online_quantization_equals_the_converted_checkpoint(moe_model):
     """`--quantization kbit` on the float checkpoint: the same kbit experts as convert writes
-    (K=4 is online mode's width; compared with a K=4 conversion)."""
+    (K=4 is online mode's width and round-to-nearest its rounding; compared with such a
+    conversion)."""
     from vllm_kbit.convert import convert
     arch, src, kbit = moe_model
     block = MODEL_ARCHS[arch][0]
     k4 = kbit.parent / "kbit4"
     if not k4.exists():
-        convert(src, k4, 4, progress=False)
+        convert(src, k4, 4, method="rtn", progress=False)
     online, converted = load_vllm_model(src, quantization="kbit"), load_vllm_model(k4)
     for a, b in zip(online.model.layers, converted.model.layers):
         ea, eb = getattr(a, block).experts.routed_experts, getattr(b, block).experts.routed_experts

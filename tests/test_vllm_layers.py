@@ -346,10 +346,23 @@ def test_online_quantization_of_a_float_checkpoint(kind):
     finally:
         torch.set_default_device("cpu")
     assert not hasattr(layer, "weight") and layer.qweight.dtype == torch.int32
-    w_hat = torch.cat([kf.dequantize(*kf.quantize(w.to(torch.bfloat16), 4), 4, dtype=torch.float64)
+    cb = cfg.codebook
+    w_hat = torch.cat([kf.dequantize(*kf.quantize(w.to(torch.bfloat16), 4, cb), 4, cb, dtype=torch.float64)
                        for w in floats.values()])
     x = torch.randn(4, k, generator=gen).to(torch.bfloat16)
     assert rel_err(forward(layer, x), x.double() @ w_hat.t()) < 1e-2
+
+
+def test_default_codebooks():
+    """Quantizing at load time uses the converter's default codebook (nf0); a checkpoint config
+    without a codebook predates it and means NF; a stored codebook is read as stored."""
+    from vllm_kbit.quant import default_codebook
+    for bits in (2, 3, 4, 5):
+        assert torch.equal(KbitConfig(bits).codebook, default_codebook(bits))
+        assert torch.equal(KbitConfig.from_config({"bits": bits}).codebook, kf.normal_float_codebook(bits))
+        stored = torch.linspace(-1, 1, 1 << bits)
+        assert torch.equal(KbitConfig.from_config({"bits": bits, "codebook": stored.tolist()}).codebook, stored)
+    assert not torch.equal(default_codebook(3), kf.normal_float_codebook(3))
 
 
 def test_online_quantization_reports_a_missing_shard():

@@ -17,6 +17,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.utils import sho
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from vllm_kbit import format as kf
+from vllm_kbit.quant.codebooks import default_codebook
 from vllm_kbit.convert import ROUTER_PATTERN
 
 # MoE routers: always float, whatever the ignore list (as convert leaves them)
@@ -49,8 +50,12 @@ class KbitConfig(QuantizationConfig):
         self.bits = bits
         self.block_size = block_size
         try:
-            self.codebook = (kf.normal_float_codebook(bits) if codebook is None
-                             else kf.check_codebook(codebook, bits))
+            if codebook is not None:
+                self.codebook = kf.check_codebook(codebook, bits)
+            elif from_checkpoint:  # a checkpoint without its codebook predates nf0: it used NF
+                self.codebook = kf.normal_float_codebook(bits)
+            else:  # quantizing at load time: the converter's default codebook
+                self.codebook = default_codebook(bits)
         except kf.KbitFormatError as e:
             raise ValueError(f"kbit quantization_config: {e}") from None
         self.ignore = list(ignore or [])
