@@ -439,6 +439,11 @@ def test_tensor_parallel_split_must_keep_whole_blocks():
         build_moe(make_config(4), 4, 64, 96, 2, {}, tp=(0, 2))
 
 
+def test_hidden_size_must_be_whole_blocks():
+    with pytest.raises(ValueError, match=rf"{PREFIX}: hidden size 48 is not a multiple of the 32-weight block"):
+        build_moe(make_config(4), 4, 48, 64, 2, {})
+
+
 def test_missing_and_wrong_expert_tensors_are_named():
     gen = torch.Generator().manual_seed(7)
     tensors, _, _ = checkpoint_experts(3, 64, 64, 4, gen)
