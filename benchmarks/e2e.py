@@ -301,8 +301,8 @@ CONFIGS = {
     "gptq4": dict(gptq=True),
     # a GPTQ config on a folder without weights, dummy loading: no gain over bf16, because
     # vLLM then quantizes nothing: AutoGPTQConfig takes the quantized modules from
-    # the folder's safetensors dtypes when the config does not list modules_in_block_to_quantize
-    # (H200, fc4c7cc: bf16's KV cache room and speed; results/README.md)
+    # the folder's safetensors dtypes when the config does not list modules_in_block_to_quantize,
+    # so it gets bf16's KV cache room and speed
     "gptq4_dummy": dict(gptq=True, load_format="dummy"),
     **{f"kbit{b}": dict(load_format="dummy", quantization="kbit", bits=b) for b in (2, 3, 4, 5)},
     # lm_head quantized too (convert --quantize-lm-head)

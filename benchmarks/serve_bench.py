@@ -4,8 +4,7 @@ and TTFT / TPOT beside bf16. Dummy weights (kbit: random valid kbit weights).
 
     python3 benchmarks/serve_bench.py --workdir /tmp/e2e [--configs bf16,kbit4] [--concurrency 256]
 
-Run on an H200 on 2026-11-21 (commit fc4c7cc): results in results/serve_8b.json and
-results/README.md.
+Figures, with the GPU, commit and command that gave them: docs/PERFORMANCE.md.
 """
 from __future__ import annotations
 

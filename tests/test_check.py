@@ -85,3 +85,4 @@ def test_check_on_the_gpu_passes():
     p = run_check()
     assert p.returncode == 0, p.stdout + p.stderr
     assert "GEMV (M = 1): ok" in p.stdout and "OK: kbit layers use the CUDA kernels" in p.stdout
+    assert "MoE experts (moe_gemm, 2 tokens x top-2): ok" in p.stdout

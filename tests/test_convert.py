@@ -329,7 +329,7 @@ def test_moe_routers_are_ignored_by_default_and_experts_are_not():
              "model.layers.0.mlp.shared_experts.gate_proj", "lm_head"]
     shapes = {f"{n}.weight": [64, 64] for n in names}
     report = ConversionReport(src="s", dst="d", bits=4)
-    selected = _select(dict.fromkeys(names), shapes, [], report) | _select_experts(dict.fromkeys(names), shapes, report)
+    selected = _select(dict.fromkeys(names), shapes, [], report)[0] | _select_experts(dict.fromkeys(names), shapes, report)[0]
     assert selected == {f"{n}.weight" for n in (names[0], names[1], names[2], names[6])}
     assert all("ignored" in report.skipped[f"{n}.weight"] for n in names[3:6] + names[7:])
 
@@ -528,11 +528,14 @@ def _tiny_moe(dst: Path, arch: str = "qwen2_moe") -> Path:
 
 
 @pytest.mark.parametrize("pattern", [r"re:.*\.experts(\..*)?$", r"re:.*\.experts\.\d+\..*"])
-def test_ignored_moe_experts_stay_float(tmp_path, pattern):
+def test_ignored_moe_experts_stay_float(tmp_path, pattern, capsys):
     """--ignore keeps every expert of a layer float (the shared expert stays kbit); the config's
-    ignore list then names the fused layer vLLM matches, by the pattern or by exact name."""
+    ignore list then names the fused layer vLLM matches, by the pattern or by exact name; the
+    pattern counts as used (no note that it matches nothing)."""
     src = _tiny_moe(tmp_path / "src")
+    capsys.readouterr()
     report = convert(src, tmp_path / "kbit", 4, ignore=[pattern], progress=False)
+    assert "matches no linear layer" not in capsys.readouterr().err
     src_t, out_t = load_file(src / "model.safetensors"), load_checkpoint(tmp_path / "kbit")
     experts = [n for n in src_t if ".experts." in n]
     assert len(experts) == 2 * 4 * 3

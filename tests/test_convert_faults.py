@@ -22,7 +22,7 @@ from vllm_kbit import format as kf
 from vllm_kbit.convert import INDEX_NAME, ConversionError, convert, main
 from vllm_kbit.format import KbitFormatError
 
-from test_convert import SEED, _tiny_llama, rewrite_weight
+from test_convert import SEED, _tiny_llama, _tiny_moe, rewrite_weight
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,6 +104,31 @@ def test_following_the_ignore_hint_converts(src_copy, tmp_path):
     report = convert(src_copy, tmp_path / "out", 3, ignore=ignore, progress=False)
     assert "model.layers.0.self_attn.v_proj.weight" in report.skipped
     assert "model.layers.1.self_attn.v_proj.weight" in report.quantized
+
+
+def test_out_of_range_expert_hint_ignores_its_moe_layer(tmp_path, capsys):
+    """An expert weight out of range: the hint names its MoE layer (vLLM runs a layer's experts
+    as one fused layer, so ignoring one expert's projections is refused), and following it
+    converts with that layer float, the other layer's experts kbit, and no note that the
+    pattern matches nothing."""
+    from safetensors.torch import load_file, save_file
+    src = _tiny_moe(tmp_path / "src", "mixtral")
+    shard = src / "model.safetensors"
+    tensors = load_file(shard)
+    gen = torch.Generator().manual_seed(SEED)
+    victim = f"model.layers.1.block_sparse_moe.experts.{int(torch.randint(4, (1,), generator=gen))}.w1.weight"
+    tensors[victim] = tensors[victim].clone()
+    tensors[victim][0, int(torch.randint(tensors[victim].shape[1], (1,), generator=gen))] = 2 * kf.E4M4_MAX
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(KbitFormatError, match=re.escape(victim)) as e:
+        convert(src, tmp_path / "out", 4, progress=False)
+    hint = re.findall(r"--ignore (\S+)", str(e.value))
+    assert hint == ["model.layers.1.block_sparse_moe.experts"]
+    capsys.readouterr()
+    report = convert(src, tmp_path / "out", 4, ignore=hint, progress=False)
+    assert "matches no linear layer" not in capsys.readouterr().err
+    assert victim in report.skipped and "model.layers.0.block_sparse_moe.experts.0.w1.weight" in report.quantized
+    assert hint[0] in report.ignore
 
 
 # The child converts with a pause once the shards are in the temporary folder, and says so.

@@ -439,6 +439,24 @@ def test_tensor_parallel_split_must_keep_whole_blocks():
         build_moe(make_config(4), 4, 64, 96, 2, {}, tp=(0, 2))
 
 
+def test_moe_layer_refuses_a_gpu_without_kernels(monkeypatch):
+    """As a kbit linear layer: on a CUDA device without the extension, creating the experts
+    fails naming the layer (ops.require_kernels)."""
+    layer = build_moe(make_config(4), 2, 64, 64, 1, checkpoint_experts(2, 64, 64, 4, torch.Generator())[0])
+    monkeypatch.setattr(ops, "HAS_CUDA_KERNELS", False)
+    monkeypatch.setattr(ops, "KERNELS_ERROR", "not built (test)")
+    monkeypatch.setattr(ops, "REFERENCE_REQUESTED", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(ops.KernelsUnavailableError, match=rf"kbit layer {PREFIX}: .*not built \(test\)"):
+        layer.quant_method.create_weights(layer, 2, 64, 64, torch.bfloat16, weight_loader=None)
+
+
+def test_hidden_size_must_be_whole_blocks():
+    with pytest.raises(ValueError, match=rf"{PREFIX}: hidden size 48 is not a multiple of the 32-weight block"):
+        build_moe(make_config(4), 4, 48, 64, 2, {})
+
+
 def test_missing_and_wrong_expert_tensors_are_named():
     gen = torch.Generator().manual_seed(7)
     tensors, _, _ = checkpoint_experts(3, 64, 64, 4, gen)

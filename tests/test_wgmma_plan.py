@@ -105,8 +105,9 @@ def test_cluster_groups_picks(replay):
     # plan_t splits K over cluster groups (choose_groups) at 128-token tiles where the clusters
     # that would fill the SMs do not fit: the H200 holds 30 clusters of 4, so 4096x14336 at
     # 129..256 tokens (32 tiles) runs as two clusters of 2 a tile instead of clusters of 3 on 96
-    # SMs (measured 8-10% faster, docs/MMA.md). Not 4096x4096 (measured slower grouped), nor
-    # where clusters fit (3584 columns: 28 tiles), nor wide layers, nor 64-token tiles.
+    # SMs (measured faster on the H200; docs/DESIGN.md, cluster groups). Not 4096x4096 (measured
+    # slower grouped), nor where clusters fit (3584 columns: 28 tiles), nor wide layers, nor
+    # 64-token tiles.
     cases = [(4096, 14336, m) for m in (129, 200, 256)] + [
         (4096, 4096, 256), (3584, 18944, 256), (28672, 4096, 256), (6144, 4096, 256), (8192, 28672, 256),
         (4096, 14336, 64), (4096, 14336, 512)]

@@ -1,8 +1,9 @@
 """Check a vllm_kbit install: `python3 -m vllm_kbit.check` (or `vllm-kbit-check`).
 
 Prints the package, torch and CUDA versions, whether the CUDA extension loaded (or why not),
-the architectures it was built for, the GPU and the kernel paths it gets (each one run once
-against a float64 reference), and whether vLLM loads the plugin and sees the `kbit` method.
+the architectures it was built for, the GPU and the kernel paths it gets (each one, and the MoE
+expert kernel, run once against a float64 reference), and whether vLLM loads the plugin and
+sees the `kbit` method.
 Exit status 1 where a GPU is present but the kbit kernels are not usable on it, or where vLLM
 is installed but does not see `kbit`; 0 otherwise (a machine without a GPU runs the reference).
 """
@@ -78,6 +79,33 @@ def _self_test(name: str, path: int, m: int) -> str:
     if not err < _TOL:  # (NaN too)
         raise RuntimeError(f"relative error {err:.2e} against float64 (want < {_TOL})")
     return f"{name} (M = {m}): ok, relative error {err:.1e}"
+
+
+def _moe_self_test() -> str:
+    """Run kbit::moe_gemm once (4 bf16 experts, 2 tokens routed to 2 each, one pair a block as
+    experts_forward's sparse path lays them out); its relative error against float64."""
+    from vllm_kbit import format as kf
+    from vllm_kbit import ops
+
+    experts, n, k, bits, m, top_k = 4, 128, 256, 4, 2, 2
+    q, a = zip(*[ops.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), bits)[:2]
+                 for _ in range(experts)])
+    tiles = [ops.repack(q[e], a[e], bits) for e in range(experts)]
+    packed = torch.stack([p.reshape(-1) for p, _ in tiles])
+    absmax = torch.stack([t.reshape(-1) for _, t in tiles])
+    cb = kf.normal_float_codebook(bits).cuda()
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    ids = [0, 2, 3, 2]  # pair p = token p // top_k, expert ids[p]
+    on = dict(dtype=torch.int32, device="cuda")
+    y = torch.ops.kbit.moe_gemm(x, packed, absmax, cb, bits, n, k, torch.arange(m * top_k, **on),
+                                torch.tensor(ids, **on), torch.tensor([m * top_k], **on), 1, top_k)
+    torch.cuda.synchronize()
+    ref = torch.stack([x[p // top_k].double() @ kf.dequantize(q[e], a[e], bits, cb, dtype=torch.float64).t()
+                       for p, e in enumerate(ids)])
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    if not err < _TOL:  # (NaN too)
+        raise RuntimeError(f"relative error {err:.2e} against float64 (want < {_TOL})")
+    return f"MoE experts (moe_gemm, {m} tokens x top-{top_k}): ok, relative error {err:.1e}"
 
 
 def _vllm_sees_kbit() -> tuple[bool | None, str]:
@@ -156,6 +184,11 @@ def run(out=sys.stdout) -> int:
                 except Exception as e:
                     say(f"  {name} (M = {m}): FAILED: {' '.join(str(e).split())[:300]}")
                     problems.append(f"the {name} kernel fails on this GPU")
+            try:
+                say("  " + _moe_self_test())
+            except Exception as e:  # e.g. an extension built before the MoE kernels: no CUDA kernel
+                say(f"  MoE experts (moe_gemm): FAILED: {' '.join(str(e).split())[:300]}")
+                problems.append(f"the MoE expert kernel fails on this GPU (a stale build? {ops.build_command()})")
 
     seen, what = _vllm_sees_kbit()
     say(f"vLLM: {what}")

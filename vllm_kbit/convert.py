@@ -291,8 +291,9 @@ def _matching_pattern(name: str, module, patterns: list[str]) -> str | None:
 
 
 def _select(linears: dict, shapes: dict, user_ignore: list[str], report: ConversionReport,
-            quantize_lm_head: bool = False) -> set[str]:
-    """Weight names to quantize; fills report.skipped and report.ignore (the config's list)."""
+            quantize_lm_head: bool = False) -> tuple[set[str], set[str]]:
+    """Weight names to quantize, and the ignore patterns that matched a linear; fills
+    report.skipped and report.ignore (the config's list)."""
     default = [p for p in DEFAULT_IGNORE if not (quantize_lm_head and p == LM_HEAD)]
     patterns = list(dict.fromkeys([*default, *user_ignore]))
     used, auto_ignore, selected = set(), [], set()
@@ -313,32 +314,33 @@ def _select(linears: dict, shapes: dict, user_ignore: list[str], report: Convers
             _note(f"{mod_name} left unquantized: {why}")
         else:
             selected.add(wname)
-    for p in user_ignore:
-        if p not in used:
-            _note(f"ignore pattern {p!r} matches no linear layer")
     _check_fused_groups(linears, selected)
     report.ignore = list(dict.fromkeys([*patterns, *auto_ignore]))
-    return selected
+    return selected, used
 
 
-def _select_experts(linears: dict, shapes: dict, report: ConversionReport) -> set[str]:
-    """Expert weight names to quantize: per MoE layer, all of its per-expert 2-D weights, unless
-    an ignore pattern matches the layer or its experts (then none, and the layer's exact name
-    joins report.ignore if no pattern names it). Refuses a layer whose experts would be split
-    between kbit and float (vLLM runs them as one fused layer) and un-ignored 3-D fused experts."""
+def _select_experts(linears: dict, shapes: dict, report: ConversionReport) -> tuple[set[str], set[str]]:
+    """Expert weight names to quantize, and the ignore patterns that matched: per MoE layer, all
+    of its per-expert 2-D weights, unless an ignore pattern matches the layer or its experts
+    (then none, and the layer's exact name joins report.ignore if no pattern names it). Refuses
+    a layer whose experts would be split between kbit and float (vLLM runs them as one fused
+    layer) and un-ignored 3-D fused experts."""
     patterns = list(report.ignore)
     layers: dict[str, list[str]] = {}
+    selected, used = set(), set()
     for name, shape in shapes.items():
         m = _EXPERT_RE.fullmatch(name)
         if m and len(shape) == 2:
             layers.setdefault(m["layer"], []).append(name)
-        elif len(shape) == 3 and (f := _FUSED_EXPERTS_RE.fullmatch(name)) and \
-                _matching_pattern(f["layer"], None, patterns) is None:
+        elif len(shape) == 3 and (f := _FUSED_EXPERTS_RE.fullmatch(name)):
+            pattern = _matching_pattern(f["layer"], None, patterns)
+            if pattern is not None:
+                used.add(pattern)
+                continue
             raise ConversionError(
                 f"{name} holds all experts of {f['layer']} in one 3-D tensor {shape}; vLLM loads such "
                 f"tensors straight into its own float layout, so kbit experts cannot be served for this "
                 f"architecture: keep them unquantized with --ignore 're:.*\\.experts(\\..*)?$'")
-    selected = set()
     for layer, names in layers.items():
         why = {}
         layer_pattern = _matching_pattern(layer, None, patterns)
@@ -346,6 +348,7 @@ def _select_experts(linears: dict, shapes: dict, report: ConversionReport) -> se
             mod = name[:-len(".weight")]
             pattern = layer_pattern or _matching_pattern(mod, linears.get(mod), patterns)
             if pattern is not None:
+                used.add(pattern)
                 why[name] = f"ignored (matches {pattern!r})"
             elif shapes[name][1] % kf.BLOCK_SIZE:
                 why[name] = f"in_features {shapes[name][1]} is not a multiple of {kf.BLOCK_SIZE}"
@@ -361,7 +364,7 @@ def _select_experts(linears: dict, shapes: dict, report: ConversionReport) -> se
         if layer_pattern is None:
             _note(f"{layer}: experts left unquantized ({next(iter(why.values()))})")
             report.ignore.append(layer)  # exact name: vLLM matches its fused MoE layer by it
-    return selected
+    return selected, used
 
 
 def _ties_embeddings(src: Path, config: dict) -> bool:
@@ -441,6 +444,10 @@ def _check_ranges(items: list[_Item], device: torch.device, progress: bool) -> N
     modules = [name[:-len(".weight")] for name in bad]
     ignore = []
     for mod in modules:  # vLLM fuses some linears into one layer: ignore all of them or none
+        expert = _EXPERT_RE.fullmatch(f"{mod}.weight")
+        if expert:  # a layer's experts: vLLM runs them as one fused layer, named by the layer
+            ignore.append(expert["layer"])
+            continue
         parent, _, leaf = mod.rpartition(".")
         group = next((g for g in FUSED_GROUPS if leaf in g), (leaf,))
         ignore += [f"{parent}.{g}" if parent else g for g in group]
@@ -702,9 +709,10 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
                 raise ConversionError(f"tensor {name} appears in more than one safetensors file")
             shapes[name] = info["shape"]
     linears, report.used_heuristic = _find_linears(src, shapes)
-    to_quantize = _select(linears, shapes, user_ignore, report, quantize_lm_head)
-    experts = _select_experts(linears, shapes, report)
+    to_quantize, used = _select(linears, shapes, user_ignore, report, quantize_lm_head)
+    experts, used_by_experts = _select_experts(linears, shapes, report)
     to_quantize |= experts
+    used |= used_by_experts
     if quantize_lm_head:
         _check_lm_head(src, config, linears, shapes, to_quantize, report)
     for n, s in shapes.items():
@@ -713,10 +721,14 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
             continue
         pattern = _matching_pattern(mod, None, report.ignore)
         if pattern is not None:
+            used.add(pattern)
             report.skipped[n] = f"ignored (matches {pattern!r})"
         else:  # copied unquantized: if vLLM builds a linear layer for one, it must not expect kbit tensors
             report.unmapped_2d.append(n)
             report.ignore.append(mod)  # (no pattern matched it, so it is not listed yet)
+    for p in user_ignore:
+        if p not in used:
+            _note(f"ignore pattern {p!r} matches no linear layer")
 
     items = []
     for f, h in headers.items():

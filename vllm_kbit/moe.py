@@ -68,7 +68,7 @@ _ACTIVATIONS = {
 @dataclass
 class KbitExperts:
     """One layer's stacked kbit experts and what experts_forward needs to run them."""
-    w13: torch.Tensor          # moe_gemm layout (ops.repack_experts)
+    w13: torch.Tensor          # moe_gemm layout (repack_experts)
     w13_absmax: torch.Tensor
     w2: torch.Tensor
     w2_absmax: torch.Tensor
@@ -224,7 +224,7 @@ def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor
     """The routed experts' output [M, H] in x.dtype: sum over k of topk_weights[:, k] times expert
     topk_ids[:, k] applied to x (the router weights multiply x instead when
     apply_router_weight_on_input). `path`: "gemm" (kbit::moe_gemm), "dense" (dequantize +
-    fused_experts), or None: by the pair count (DENSE_MIN_PAIRS)."""
+    fused_experts), or None: by the pairs per expert (DENSE_MIN_PAIRS_PER_EXPERT)."""
     m, top_k = topk_ids.shape
     global_e = ex.global_num_experts if ex.global_num_experts > 0 else ex.num_experts
     if path is None:
@@ -295,9 +295,7 @@ class KbitMoEMethod(FusedMoEMethodBase):
 
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
-        require = getattr(ops, "require_kernels", None)
-        if require is not None:
-            require(self.prefix)
+        ops.require_kernels(self.prefix)
         bits, moe = self.config.bits, self.moe
         hid, inter = hidden_size, intermediate_size_per_partition
         tp = moe.moe_parallel_config.tp_size
@@ -308,10 +306,14 @@ class KbitMoEMethod(FusedMoEMethodBase):
         if moe.has_bias:
             raise ValueError(f"kbit MoE layer {self.prefix}: experts with biases are not supported; "
                              f"list the layer in quantization_config.ignore")
-        if hid != extra_weight_attrs.get("unpadded_hidden_size", hid) or hid % kf.BLOCK_SIZE:
-            raise ValueError(f"kbit MoE layer {self.prefix}: hidden size {hid} (padded from "
-                             f"{extra_weight_attrs.get('unpadded_hidden_size', hid)} by the MoE backend) must be "
-                             f"an unpadded multiple of {kf.BLOCK_SIZE}")
+        unpadded = extra_weight_attrs.get("unpadded_hidden_size", hid)
+        if hid != unpadded:
+            raise ValueError(f"kbit MoE layer {self.prefix}: the MoE backend pads the hidden size {unpadded} "
+                             f"to {hid}; kbit experts need it unpadded (list the layer in "
+                             f"quantization_config.ignore)")
+        if hid % kf.BLOCK_SIZE:
+            raise ValueError(f"kbit MoE layer {self.prefix}: hidden size {hid} is not a multiple of the "
+                             f"{kf.BLOCK_SIZE}-weight block; list the layer in quantization_config.ignore")
         if inter % kf.BLOCK_SIZE:
             split = f" split over {tp} tensor-parallel ranks into {inter}" if tp > 1 else ""
             raise ValueError(

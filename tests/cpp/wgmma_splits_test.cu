@@ -6,7 +6,7 @@
 // groups and their CTAs per cluster, then where plan_wgmma takes 256-token tiles their split (1:
 // unsplit; 0: 128-token tiles); with the H200's
 // occupancy (cudaOccupancyMaxActiveClusters for
-// s = 1..16, measured on the device for every instantiation, docs/MMA.md): 128-token tiles and
+// s = 1..16, measured on the device for every instantiation): 128-token tiles and
 // the 64-token tile built for one CTA per SM run one 227 KB CTA per SM; the 16..64-token tiles
 // built for two, two ~110 KB CTAs per SM packed, or one per SM spread. Arguments: plan overrides
 // (dispatch/overrides.h), e.g. wgmma.split_cost=0 (the split cost at 128-token tiles; smaller
