@@ -385,125 +385,76 @@ __device__ __forceinline__ void decode_word(const uint32_t (&planes)[BITS], uint
   }
 }
 
-// kSplitTall: the tall CTA's split-K build (Cfg::kTall only). A separate instantiation, so the
-// split epilogue's registers do not cost the unsplit tall kernel's main loop.
-template <int BITS, int MT, int CN, int R, int CPS, typename T, bool kSplitTall = false>
-__global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
-    wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap xmap, const __grid_constant__ CUtensorMap ymap) {
 #if KBIT_WGMMA_DEVICE
+// The kernel's stages. wgmma_kernel (below) sets up the CTA (its addresses, mbarriers and the
+// load lambdas stage_addr / load_unit / issue, which the stages share), then dispatches by role:
+//   produce       the producer warpgroup's loop (Cfg::kProducer): TMA of x and W tiles;
+//   consume       the consumer warpgroups' main loop: decode + wgmma into the accumulators
+//                 (without a producer it also issues the loads, through `issue`);
+//   store_tile_scalar / the TMA store in the kernel body: the unsplit epilogue;
+//   reduce_split  the split-K epilogue (cluster reduction, cluster groups).
+// Each stage is __forceinline__ and takes what it reads as parameters, so the compiled kernel is
+// the one a single function body gives. The unsplit TMA store stays in the kernel body and the
+// load lambdas are the kernel's own: as functions they change the generated code.
+
+// One CTA's place in the grid and one thread's role in it, and the addresses of the CTA's
+// shared-memory regions: what the stages read, the kernel's values as it computes them at its
+// top (the fields carry the names of the kernel's locals).
+template <int BITS, int MT, int CN, int R, int CPS> struct CtaTile {
   using C = Cfg<BITS, MT, CN, R, CPS>;
-  constexpr int kThreads = C::kConsumers, kSets = C::kSets;  // threads that hold accumulators
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  const uint32_t raw_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
-  const uint32_t base = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
-  uint8_t* smem = smem_raw + (base - raw_addr);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // wgmma takes rows 16 (warp % 4) + ... from this warp; a row split's warpgroups share slabs
-  const int slab = C::kTall ? (warp & 1) : R > 1 ? (warp & 3) : warp, wg = warp >> 2;
-  const int qp = C::kTall ? (warp >> 1) & 1 : 0;  // the tall CTA: which row tile of its words h = wg
-  const int pr0 = R > 1 ? 2 * wg + qp : 0;  // this warp's first row tile (of 4 per unit)
-  const int g = lane >> 2, t4 = lane & 3;
-  const int split = blockIdx.x, splits = gridDim.x;
-  const int nu = col_group() * C::kSlabsCta + slab;
-  const bool slab_ok = nu < n_units(p.n);
-  const int m0 = token_tile() * MT;
-  const int ku_begin = split * p.chunk;
-  const int nt = max(0, min(p.ku_count, ku_begin + p.chunk) - ku_begin);
-  const bool producer = C::kProducer && tid >= kThreads;  // the last warpgroup (kProducer)
+  uint8_t* smem;      // the 1 KB-aligned start of dynamic shared memory
+  uint32_t base;      // its shared-state-space address
+  uint32_t lut_base;  // the pair table
+  int n_low;          // with the wide table: the stages below it
+  uint32_t bar0;      // stage s's "full" mbarrier at bar0 + 8 s
+  uint32_t empty0;    // kProducer: stage s's "empty" mbarrier at empty0 + 8 s
+  int tid, lane, warp, slab, wg, qp, pr0, g, t4;
+  int split, splits, nu;
+  bool slab_ok;
+  int m0, ku_begin, nt;
+  bool producer;
+};
 
-  // stage s's address (x tile, then W); with the wide table, stages below and above it
-  uint32_t lut_base = base + C::kLutOff;
-  int n_low = C::kStages;
-  if constexpr (C::kWideLut) {
-    lut_base = (base + 0xFFFFu) & ~0xFFFFu;
-    n_low = int(lut_base - base) / C::kStageBytes;
-  }
-  const auto stage_addr = [&](int sg) -> uint32_t {
-    if constexpr (C::kWideLut)
-      return sg < n_low ? base + sg * C::kStageBytes
-                        : lut_base + PairTable<BITS>::kWideLutBytes + (sg - n_low) * C::kStageBytes;
-    return base + C::kStageOff + sg * C::kStageBytes;
-  };
-  // one "full" mbarrier per stage: a phase completes with kBarCount arrivals (each announcing
-  // its bytes) and those bytes landed; with a producer, one "empty" mbarrier per stage after
-  // them (a phase: every consumer thread is done reading the stage)
-  const uint32_t bar0 = base + (C::kWideLut ? C::kWideUsable : C::kBarOff);
-  const uint32_t empty0 = bar0 + 8 * C::kStages;  // kProducer: stage s is free again
-  if (tid == 0) {
+// The producer warpgroup (Cfg::kProducer: one CTA per SM). It gives its registers to the
+// consumers, then one thread streams every K-tile into stage i % kStages once the consumers have
+// handed that stage back: the x box and each slab's unit, one mbarrier arrival announcing all
+// their bytes. Split-K: it joins the consumers' epilogue barriers (reduce_split), then leaves.
+template <int BITS, int MT, int CN, int R, int CPS, typename StageAddr, typename LoadUnit>
+__device__ __forceinline__ void produce(const CtaTile<BITS, MT, CN, R, CPS>& tl, const CUtensorMap& xmap,
+                                        const StageAddr& stage_addr, const LoadUnit& load_unit) {
+  using C = Cfg<BITS, MT, CN, R, CPS>;
+  constexpr int kThreads = C::kConsumers;
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+  if (tl.tid == kThreads) {
+    for (int i = 0; i < tl.nt; ++i) {
+      const int sg = i % C::kStages, ku = tl.ku_begin + i;
+      if (i >= C::kStages) mbar_wait(tl.empty0 + 8 * sg, ((i / C::kStages) - 1) & 1);
+      const uint32_t st = stage_addr(sg), bar = tl.bar0 + 8 * sg;
+      fence_proxy_async();
+      mbar_arrive_expect_tx(bar, C::kXBytes + C::kSlabsCta * C::kUnitBytes);
+      tma_load_2d(st, &xmap, ku * kUnitK, tl.m0, bar);
 #pragma unroll
-    for (int s = 0; s < C::kStages; ++s) mbar_init(bar0 + 8 * s, C::kBarCount);
-    if constexpr (C::kProducer)
-      for (int s = 0; s < C::kStages; ++s) mbar_init(empty0 + 8 * s, kThreads);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
-    if (p.y_tma) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&ymap)) : "memory");
+      for (int sl = 0; sl < C::kSlabsCta; ++sl) load_unit(st, sl, ku, bar);
+    }
   }
-  wait_prior_grids();  // programmatic dependent launch (core/common.cuh): x may be the previous kernel's output
+  if (tl.splits > 1) {  // the consumers' epilogue barriers (reduce_split)
+    __syncthreads();
+    cooperative_groups::this_cluster().sync();
+    cooperative_groups::this_cluster().sync();
+  }
+}
 
-  // Without a producer, K-tile i -> stage i % kStages: thread 0 loads x rows m0.. as stored,
-  // zeros past M and K (TMA); lane 0 of each slab's warp its unit.
-  // The warps that load W, one slab each: with warpgroups on shared slabs (R > 1) the last
-  // one, so that the first (whose thread 0 issues x) does not also carry W's issue work.
-  const bool w_loader = R == 1 || wg == R - 1;
-  // slab sl's unit of K-tile ku into stage st (a slab past N copies unit 0: read, never used)
-  const auto load_unit = [&](uint32_t st, int sl, int ku, uint32_t bar) {
-    const int n_unit = col_group() * C::kSlabsCta + sl;
-    const long long unit = (long long)(n_unit < n_units(p.n) ? n_unit : 0) * p.ku_count + ku;
-    const uint32_t wd = st + C::kXBytes + sl * C::kUnitBytes;
-    bulk_load(wd, p.packed + unit * unit_words(BITS), BITS * 512, bar);
-    bulk_load(wd + BITS * 512, p.absmax + unit * kUnitAbsmaxBytes, kUnitAbsmaxBytes, bar);
-  };
-  const auto issue = [&](int i) {
-    if (i >= nt) return;
-    const int ku = ku_begin + i;
-    const uint32_t st = stage_addr(i % C::kStages);
-    const uint32_t bar = bar0 + 8 * (i % C::kStages);
-    const bool w_issuer = w_loader && lane == 0;
-    // the stage's previous generic-proxy reads (LDS of W) are ordered before the async writes
-    if (tid == 0 || w_issuer) fence_proxy_async();
-    if (tid == 0) {
-      mbar_arrive_expect_tx(bar, C::kXBytes);
-      tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
-    }
-    if (w_issuer) {
-      mbar_arrive_expect_tx(bar, C::kUnitBytes);
-      load_unit(st, slab, ku, bar);
-    }
-  };
-
-  __syncthreads();  // the barriers are initialised before anyone arrives or waits on them
-  if constexpr (C::kProducer) {
-    if (producer) {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-      // every K-tile into stage i % kStages once the consumers have handed that stage back: the
-      // x box and each slab's unit, one mbarrier arrival announcing all their bytes
-      if (tid == kThreads) {
-        for (int i = 0; i < nt; ++i) {
-          const int sg = i % C::kStages, ku = ku_begin + i;
-          if (i >= C::kStages) mbar_wait(empty0 + 8 * sg, ((i / C::kStages) - 1) & 1);
-          const uint32_t st = stage_addr(sg), bar = bar0 + 8 * sg;
-          fence_proxy_async();
-          mbar_arrive_expect_tx(bar, C::kXBytes + C::kSlabsCta * C::kUnitBytes);
-          tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
-#pragma unroll
-          for (int sl = 0; sl < C::kSlabsCta; ++sl) load_unit(st, sl, ku, bar);
-        }
-      }
-      if (splits > 1) {  // the consumers' epilogue barriers (below)
-        __syncthreads();
-        cooperative_groups::this_cluster().sync();
-        cooperative_groups::this_cluster().sync();
-      }
-      return;
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-  }
-  // (after the producer's branch: its 40 registers hold no accumulators)
-  float acc[kSets][MT / 2];
-#pragma unroll
-  for (int r = 0; r < kSets; ++r)
-#pragma unroll
-    for (int i = 0; i < MT / 2; ++i) acc[r][i] = 0.f;
+// The consumer warpgroups' main loop over the CTA's K range: per K-tile, wait for its stage
+// (and, without a producer, refill the stage two tiles back), read this lane's plane words and
+// absmax codes, then per 32-block decode into one of two A buffers and issue its wgmma while the
+// other buffer's group is still in flight. Returns with every wgmma retired into acc.
+template <int BITS, int MT, int CN, int R, int CPS, typename T, typename StageAddr, typename Issue>
+__device__ __forceinline__ void consume(const CtaTile<BITS, MT, CN, R, CPS>& tl, const Params& p,
+                                        const StageAddr& stage_addr, const Issue& issue,
+                                        float (&acc)[Cfg<BITS, MT, CN, R, CPS>::kSets][MT / 2]) {
+  using C = Cfg<BITS, MT, CN, R, CPS>;
+  constexpr int kThreads = C::kConsumers, kSets = C::kSets;
+  const int lane = tl.lane, g = tl.g, wg = tl.wg, slab = tl.slab, nt = tl.nt;
   if constexpr (!C::kProducer) {
 #pragma unroll
     for (int i = 0; i < C::kLead; ++i) issue(i);
@@ -511,17 +462,17 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   // (published by the first iteration's __syncthreads; with a producer, by a barrier of the
   // consumers alone, so that the producer's first copies need not wait for the table)
   const uint32_t table = init_codebook<BITS, T, C::kWideLut>(
-      p.codebook, codebook_mult<T>(), reinterpret_cast<uint32_t*>(smem + (lut_base - base)), tid, kThreads);
+      p.codebook, codebook_mult<T>(), reinterpret_cast<uint32_t*>(tl.smem + (tl.lut_base - tl.base)), tl.tid, kThreads);
   if constexpr (C::kProducer) named_sync(1, kThreads);
   // the lane's replica, or with wide rows the PRMT key (Decoder::pair)
-  const uint32_t lut_addr = opaque(C::kWideLut ? (lut_base & 0xFFFF0000u) | (4u * lane)
-                                               : lut_base + 4u * (lane % kLutReplicas));
+  const uint32_t lut_addr = opaque(C::kWideLut ? (tl.lut_base & 0xFFFF0000u) | (4u * lane)
+                                               : tl.lut_base + 4u * (lane % kLutReplicas));
 
   // two A buffers: block b+1 decodes while block b multiplies (no spills: <= 255 registers, or
   // <= 128 for two 256-thread CTAs per SM, where K=5 at MT = 64 uses all 128 under CUDA 13)
   uint32_t A[2][kSets][2][4];
   for (int t = 0; t < nt; ++t) {
-    stage_wait(bar0 + 8 * (t % C::kStages), (t / C::kStages) & 1);  // x and W of tile t have landed
+    stage_wait(tl.bar0 + 8 * (t % C::kStages), (t / C::kStages) & 1);  // x and W of tile t have landed
     if constexpr (!C::kProducer) {
       // every warp is past iteration t - 1, whose wgmma.wait retired tile t - 2's reads: its
       // stage may be refilled
@@ -556,7 +507,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
     for (int kb = 0; kb < 2; ++kb) {
       uint32_t(&Ab)[kSets][2][4] = A[kb];
       if constexpr (C::kTall) {
-        decode_word<BITS, T, C::kWideLut, true>(pw[kb][0], codes[kb][0], Ab, lut_addr, table, qp);
+        decode_word<BITS, T, C::kWideLut, true>(pw[kb][0], codes[kb][0], Ab, lut_addr, table, tl.qp);
       } else {
 #pragma unroll
         for (int hh = 0; hh < C::kHalves; ++hh)
@@ -585,89 +536,51 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
         // arrives, since an arrive releases only its own thread's reads (LDS of W); one lane per
         // warp after a __syncwarp was 2-3% slower and racecheck reported the hand-off (WAR
         // against the next bulk copy into the stage)
-        if (kb == 0 && t > 0) mbar_arrive(empty0 + 8 * ((t - 1) % C::kStages));
+        if (kb == 0 && t > 0) mbar_arrive(tl.empty0 + 8 * ((t - 1) % C::kStages));
       }
     }
   }
   wgmma_wait<0>();
 #pragma unroll
   for (int r = 0; r < kSets; ++r) fence_regs(acc[r]);
+}
 
-  // ---- epilogue. D fragment of wgmma m64nMT, register i = 4j + e of set r: row (in the m64)
-  // 16 (warp % 4) + g + 8 (e >> 1) = column 64 nu + 16 pr + 8 (e >> 1) + g of y, pr = pr0 + r
-  // (pr0 = 2 wg with a row split, + qp in the tall CTA; 0 for one warpgroup), token
-  // 8 j + 2 t4 + (e & 1).
+// The unsplit epilogue where y has no tensor map (!p.y_tma): each accumulator plus its bias to
+// y, element by element, clipped at M and N. The consumers only.
+template <int BITS, int MT, int CN, int R, int CPS, typename T>
+__device__ __forceinline__ void store_tile_scalar(const CtaTile<BITS, MT, CN, R, CPS>& tl, const Params& p,
+                                                  const T* bias, T* y,
+                                                  const float (&acc)[Cfg<BITS, MT, CN, R, CPS>::kSets][MT / 2]) {
+  constexpr int kSets = Cfg<BITS, MT, CN, R, CPS>::kSets;
+  const int pr0 = tl.pr0, g = tl.g, t4 = tl.t4, nu = tl.nu, m0 = tl.m0;
+  const bool slab_ok = tl.slab_ok;
+#pragma unroll
+  for (int r = 0; r < kSets; ++r)
+#pragma unroll
+    for (int i = 0; i < MT / 2; ++i) {
+      const int e = i & 3, j = i >> 2, pr = pr0 + r;
+      const int col = nu * kUnitN + 16 * pr + 8 * (e >> 1) + g, row = m0 + 8 * j + 2 * t4 + (e & 1);
+      if (slab_ok && col < p.n && row < p.m) {
+        float v = acc[r][i];
+        if (bias != nullptr) v += to_float(bias[col]);
+        y[(long long)row * p.n + col] = from_float<T>(v);
+      }
+    }
+}
+
+// The split-K epilogue (splits > 1; the producer warpgroup, if any, meets its cluster barriers
+// in produce): the CTAs of a cluster reduce their partials through distributed shared memory,
+// and with p.groups > 1 the clusters' sums meet in the workspace.
+template <int BITS, int MT, int CN, int R, int CPS, typename T>
+__device__ __forceinline__ void reduce_split(const CtaTile<BITS, MT, CN, R, CPS>& tl, const Params& p,
+                                             const float (&acc)[Cfg<BITS, MT, CN, R, CPS>::kSets][MT / 2]) {
+  using C = Cfg<BITS, MT, CN, R, CPS>;
+  constexpr int kThreads = C::kConsumers, kSets = C::kSets;
+  // the kernel's values of these, read where this epilogue runs
+  const int tid = threadIdx.x, split = blockIdx.x, splits = gridDim.x, m0 = token_tile() * MT;
+  uint8_t* const smem = tl.smem;
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
-  if (splits == 1) {
-    if (p.y_tma) {
-      // Through shared memory: each slab's [MT tokens][64 columns] tile in the 128 B swizzle
-      // (16-byte chunk c of token row t at chunk c ^ (t % 8): the eight rows of one stmatrix
-      // fragment hit eight different bank groups), then one TMA store per slab writes whole
-      // lines, clipped at M and N by the tensor map. The scalar store below recomputes each
-      // element's column and row and writes 2 bytes.
-      constexpr int kBox = MT * 128;
-      static_assert(C::kSlabsCta * kBox <= (C::kWideLut ? C::kWideUsable : C::kBarOff),
-                    "the y tiles fit below the mbarriers");
-      // this thread's columns nu * 64 + 16 pr + 8 h + g (h = 0, 1): their bias, loaded before the
-      // barrier (after it, each stmatrix's memory clobber would serialise the loads)
-      float bv[kSets][2];
-#pragma unroll
-      for (int r = 0; r < kSets; ++r)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int col = nu * kUnitN + 16 * (pr0 + r) + 8 * h + g;
-          bv[r][h] = bias != nullptr && col < p.n ? to_float(bias[col]) : 0.f;
-        }
-      named_sync(1, kThreads);  // every consumer is done with the pipeline's shared memory
-      const uint32_t box = base + slab * kBox;
-      const int q = lane >> 3, i8 = lane & 7;  // this lane addresses row i8 of fragment q
-#pragma unroll
-      for (int r = 0; r < kSets; ++r) {
-        const int pr = pr0 + r;
-        // fragment q = (h = q & 1, token group j = 2 jj + (q >> 1)); chunk 2 pr + h of its rows
-        const uint32_t row_addr = box + (8 * (q >> 1) + i8) * 128 + (((2 * pr + (q & 1)) ^ i8) << 4);
-#pragma unroll
-        for (int jj = 0; jj < MT / 16; ++jj) {
-          uint32_t v[4];
-#pragma unroll
-          for (int f = 0; f < 4; ++f) {
-            const int h = f & 1, i = 4 * (2 * jj + (f >> 1)) + 2 * h;
-            v[f] = pack2<T>(acc[r][i] + bv[r][h], acc[r][i + 1] + bv[r][h]);
-          }
-          stmatrix_x4_trans(row_addr + jj * 16 * 128, v[0], v[1], v[2], v[3]);
-        }
-      }
-      fence_proxy_async();  // the generic-proxy writes before the TMA unit reads them
-      named_sync(1, kThreads);
-      if (tid == 0) {
-#pragma unroll
-        for (int sl = 0; sl < C::kSlabsCta; ++sl) {
-          const int c = (col_group() * C::kSlabsCta + sl) * kUnitN;
-          if (c < p.n) tma_store_2d(&ymap, base + sl * kBox, c, m0);
-        }
-        tma_store_drain();
-      }
-      return;
-    }
-#pragma unroll
-    for (int r = 0; r < kSets; ++r)
-#pragma unroll
-      for (int i = 0; i < MT / 2; ++i) {
-        const int e = i & 3, j = i >> 2, pr = pr0 + r;
-        const int col = nu * kUnitN + 16 * pr + 8 * (e >> 1) + g, row = m0 + 8 * j + 2 * t4 + (e & 1);
-        if (slab_ok && col < p.n && row < p.m) {
-          float v = acc[r][i];
-          if (bias != nullptr) v += to_float(bias[col]);
-          y[(long long)row * p.n + col] = from_float<T>(v);
-        }
-      }
-    return;
-  }
-  // (the tall CTA splits K in one cluster only, in its kSplitTall build: plan_wgmma keeps 128-token
-  // tiles under forced cluster groups)
-  static_assert(!kSplitTall || C::kTall, "kSplitTall: the tall CTA's split build only");
-  if constexpr (C::kTall && !kSplitTall) __trap();  // unreachable: launch_typed launches kSplitTall
   // split-K: partials to this CTA's shared memory ([element][thread], conflict-free), then CTA
   // `rank` of the cluster sums its slice of the elements over the cluster's CTAs in rank order.
   // With p.groups > 1 the K range is split over that many clusters (plan_wgmma, choose_groups): each
@@ -815,6 +728,177 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
     }
   }
   cluster.sync();  // keep this CTA's partials alive until the cluster has read them
+}
+#endif  // KBIT_WGMMA_DEVICE
+
+// kSplitTall: the tall CTA's split-K build (Cfg::kTall only). A separate instantiation, so the
+// split epilogue's registers do not cost the unsplit tall kernel's main loop.
+// Roles: with Cfg::kProducer the last warpgroup only loads (produce) and the others decode and
+// multiply (consume); without it every warpgroup does both, issuing its own loads. The consumers
+// then run one epilogue: the TMA store or store_tile_scalar (unsplit), or reduce_split (split-K).
+template <int BITS, int MT, int CN, int R, int CPS, typename T, bool kSplitTall = false>
+__global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
+    wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap xmap, const __grid_constant__ CUtensorMap ymap) {
+#if KBIT_WGMMA_DEVICE
+  using C = Cfg<BITS, MT, CN, R, CPS>;
+  constexpr int kThreads = C::kConsumers, kSets = C::kSets;  // threads that hold accumulators
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t raw_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
+  const uint32_t base = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
+  uint8_t* smem = smem_raw + (base - raw_addr);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // wgmma takes rows 16 (warp % 4) + ... from this warp; a row split's warpgroups share slabs
+  const int slab = C::kTall ? (warp & 1) : R > 1 ? (warp & 3) : warp, wg = warp >> 2;
+  const int qp = C::kTall ? (warp >> 1) & 1 : 0;  // the tall CTA: which row tile of its words h = wg
+  const int pr0 = R > 1 ? 2 * wg + qp : 0;  // this warp's first row tile (of 4 per unit)
+  const int g = lane >> 2, t4 = lane & 3;
+  const int split = blockIdx.x, splits = gridDim.x;
+  const int nu = col_group() * C::kSlabsCta + slab;
+  const bool slab_ok = nu < n_units(p.n);
+  const int m0 = token_tile() * MT;
+  const int ku_begin = split * p.chunk;
+  const int nt = max(0, min(p.ku_count, ku_begin + p.chunk) - ku_begin);
+  const bool producer = C::kProducer && tid >= kThreads;  // the last warpgroup (kProducer)
+
+  // stage s's address (x tile, then W); with the wide table, stages below and above it
+  uint32_t lut_base = base + C::kLutOff;
+  int n_low = C::kStages;
+  if constexpr (C::kWideLut) {
+    lut_base = (base + 0xFFFFu) & ~0xFFFFu;
+    n_low = int(lut_base - base) / C::kStageBytes;
+  }
+  const auto stage_addr = [&](int sg) -> uint32_t {
+    if constexpr (C::kWideLut)
+      return sg < n_low ? base + sg * C::kStageBytes
+                        : lut_base + PairTable<BITS>::kWideLutBytes + (sg - n_low) * C::kStageBytes;
+    return base + C::kStageOff + sg * C::kStageBytes;
+  };
+  // one "full" mbarrier per stage: a phase completes with kBarCount arrivals (each announcing
+  // its bytes) and those bytes landed; with a producer, one "empty" mbarrier per stage after
+  // them (a phase: every consumer thread is done reading the stage)
+  const uint32_t bar0 = base + (C::kWideLut ? C::kWideUsable : C::kBarOff);
+  const uint32_t empty0 = bar0 + 8 * C::kStages;  // kProducer: stage s is free again
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < C::kStages; ++s) mbar_init(bar0 + 8 * s, C::kBarCount);
+    if constexpr (C::kProducer)
+      for (int s = 0; s < C::kStages; ++s) mbar_init(empty0 + 8 * s, kThreads);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
+    if (p.y_tma) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&ymap)) : "memory");
+  }
+  wait_prior_grids();  // programmatic dependent launch (core/common.cuh): x may be the previous kernel's output
+
+  // Without a producer, K-tile i -> stage i % kStages: thread 0 loads x rows m0.. as stored,
+  // zeros past M and K (TMA); lane 0 of each slab's warp its unit.
+  // The warps that load W, one slab each: with warpgroups on shared slabs (R > 1) the last
+  // one, so that the first (whose thread 0 issues x) does not also carry W's issue work.
+  const bool w_loader = R == 1 || wg == R - 1;
+  // slab sl's unit of K-tile ku into stage st (a slab past N copies unit 0: read, never used)
+  const auto load_unit = [&](uint32_t st, int sl, int ku, uint32_t bar) {
+    const int n_unit = col_group() * C::kSlabsCta + sl;
+    const long long unit = (long long)(n_unit < n_units(p.n) ? n_unit : 0) * p.ku_count + ku;
+    const uint32_t wd = st + C::kXBytes + sl * C::kUnitBytes;
+    bulk_load(wd, p.packed + unit * unit_words(BITS), BITS * 512, bar);
+    bulk_load(wd + BITS * 512, p.absmax + unit * kUnitAbsmaxBytes, kUnitAbsmaxBytes, bar);
+  };
+  const auto issue = [&](int i) {
+    if (i >= nt) return;
+    const int ku = ku_begin + i;
+    const uint32_t st = stage_addr(i % C::kStages);
+    const uint32_t bar = bar0 + 8 * (i % C::kStages);
+    const bool w_issuer = w_loader && lane == 0;
+    // the stage's previous generic-proxy reads (LDS of W) are ordered before the async writes
+    if (tid == 0 || w_issuer) fence_proxy_async();
+    if (tid == 0) {
+      mbar_arrive_expect_tx(bar, C::kXBytes);
+      tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
+    }
+    if (w_issuer) {
+      mbar_arrive_expect_tx(bar, C::kUnitBytes);
+      load_unit(st, slab, ku, bar);
+    }
+  };
+  const CtaTile<BITS, MT, CN, R, CPS> tl{smem, base, lut_base, n_low, bar0, empty0, tid, lane, warp, slab, wg, qp, pr0, g,
+                                         t4, split, splits, nu, slab_ok, m0, ku_begin, nt, producer};
+
+  __syncthreads();  // the barriers are initialised before anyone arrives or waits on them
+  if constexpr (C::kProducer) {
+    if (producer) {
+      produce(tl, xmap, stage_addr, load_unit);
+      return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  }
+  // (after the producer's branch: its 40 registers hold no accumulators)
+  float acc[kSets][MT / 2];
+#pragma unroll
+  for (int r = 0; r < kSets; ++r)
+#pragma unroll
+    for (int i = 0; i < MT / 2; ++i) acc[r][i] = 0.f;
+  consume<BITS, MT, CN, R, CPS, T>(tl, p, stage_addr, issue, acc);
+
+  const T* bias = static_cast<const T*>(p.bias);
+  T* y = static_cast<T*>(p.y);
+  if (splits == 1) {
+    if (p.y_tma) {
+      // Through shared memory: each slab's [MT tokens][64 columns] tile in the 128 B swizzle
+      // (16-byte chunk c of token row t at chunk c ^ (t % 8): the eight rows of one stmatrix
+      // fragment hit eight different bank groups), then one TMA store per slab writes whole
+      // lines, clipped at M and N by the tensor map. The scalar store below recomputes each
+      // element's column and row and writes 2 bytes.
+      constexpr int kBox = MT * 128;
+      static_assert(C::kSlabsCta * kBox <= (C::kWideLut ? C::kWideUsable : C::kBarOff),
+                    "the y tiles fit below the mbarriers");
+      // this thread's columns nu * 64 + 16 pr + 8 h + g (h = 0, 1): their bias, loaded before the
+      // barrier (after it, each stmatrix's memory clobber would serialise the loads)
+      float bv[kSets][2];
+#pragma unroll
+      for (int r = 0; r < kSets; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int col = nu * kUnitN + 16 * (pr0 + r) + 8 * h + g;
+          bv[r][h] = bias != nullptr && col < p.n ? to_float(bias[col]) : 0.f;
+        }
+      named_sync(1, kThreads);  // every consumer is done with the pipeline's shared memory
+      const uint32_t box = base + slab * kBox;
+      const int q = lane >> 3, i8 = lane & 7;  // this lane addresses row i8 of fragment q
+#pragma unroll
+      for (int r = 0; r < kSets; ++r) {
+        const int pr = pr0 + r;
+        // fragment q = (h = q & 1, token group j = 2 jj + (q >> 1)); chunk 2 pr + h of its rows
+        const uint32_t row_addr = box + (8 * (q >> 1) + i8) * 128 + (((2 * pr + (q & 1)) ^ i8) << 4);
+#pragma unroll
+        for (int jj = 0; jj < MT / 16; ++jj) {
+          uint32_t v[4];
+#pragma unroll
+          for (int f = 0; f < 4; ++f) {
+            const int h = f & 1, i = 4 * (2 * jj + (f >> 1)) + 2 * h;
+            v[f] = pack2<T>(acc[r][i] + bv[r][h], acc[r][i + 1] + bv[r][h]);
+          }
+          stmatrix_x4_trans(row_addr + jj * 16 * 128, v[0], v[1], v[2], v[3]);
+        }
+      }
+      fence_proxy_async();  // the generic-proxy writes before the TMA unit reads them
+      named_sync(1, kThreads);
+      if (tid == 0) {
+#pragma unroll
+        for (int sl = 0; sl < C::kSlabsCta; ++sl) {
+          const int c = (col_group() * C::kSlabsCta + sl) * kUnitN;
+          if (c < p.n) tma_store_2d(&ymap, base + sl * kBox, c, m0);
+        }
+        tma_store_drain();
+      }
+      return;
+    }
+    store_tile_scalar<BITS, MT, CN, R, CPS, T>(tl, p, bias, y, acc);
+    return;
+  }
+  // (the tall CTA splits K in one cluster only, in its kSplitTall build: plan_wgmma keeps 128-token
+  // tiles under forced cluster groups)
+  static_assert(!kSplitTall || C::kTall, "kSplitTall: the tall CTA's split build only");
+  if constexpr (C::kTall && !kSplitTall) __trap();  // unreachable: launch_typed launches kSplitTall
+  reduce_split<BITS, MT, CN, R, CPS, T>(tl, p, acc);
 #else
   __trap();  // not sm_90a code: the host never launches this (wgmma_supported)
 #endif
