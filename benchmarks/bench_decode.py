@@ -107,16 +107,10 @@ def main():
                     help="plan overrides for every kbit call, e.g. pdl=0 (csrc/dispatch/overrides.h)")
     ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
     ap.add_argument("--layers", type=int, default=0, help="layers in the graph (default: the model's)")
-    ap.add_argument("--peers", default="", help="other low-bit kernels beside kbit: 'all', families (gemlite, "
-                    "tinygemm, gptq, exllama) or FAMILY-wBgG names, comma separated (benchmarks/peers.py)")
-    ap.add_argument("--peer-bits", default="2,3,4", help="bit widths of the peer families' defaults")
-    ap.add_argument("--gemlite-tune", default="borrow", choices=("borrow", "fast"),
-                    help="GemLite's launch configs: its shipped H100 table + borrowed 4-bit entries, or its "
-                         "own autotuning (minutes per shape set)")
+    pe.add_arguments(ap)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
-    peers = {p.name: p for p in pe.select(args.peers, [int(b) for b in args.peer_bits.split(",") if b])}
-    pe.GEMLITE.mode = args.gemlite_tune
+    peers = {p.name: p for p in pe.from_args(args)}
     n_layers, shapes = MODELS[args.model]
     n_layers = args.layers or n_layers
     ks = sorted({k for _, k in shapes.values()})

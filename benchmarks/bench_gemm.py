@@ -132,18 +132,12 @@ def main():
                     help="split-K factors: GEMV 1..8 at M in {1, 16}, or with --path wgmma 1..16 at --ms")
     ap.add_argument("--dequant-only", action="store_true",
                     help="time the dequantize kernel (tiled layout -> fp16 W) alone, recorded as M = 0")
-    ap.add_argument("--peers", default="", help="other low-bit kernels beside kbit: 'all', families (gemlite, "
-                    "tinygemm, gptq, exllama) or FAMILY-wBgG names, comma separated (benchmarks/peers.py)")
-    ap.add_argument("--peer-bits", default="2,3,4", help="bit widths of the peer families' defaults")
-    ap.add_argument("--gemlite-tune", default="borrow", choices=("borrow", "fast"),
-                    help="GemLite's launch configs: its shipped H100 table + borrowed 4-bit entries, or its "
-                         "own autotuning (minutes per shape set)")
+    pe.add_arguments(ap)
     ap.add_argument("--overrides", default="",
                     help="plan overrides for every kbit call, e.g. wgmma.one_per_sm=1 (csrc/dispatch/overrides.h)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
-    peer_list = pe.select(args.peers, [int(b) for b in args.peer_bits.split(",") if b])
-    pe.GEMLITE.mode = args.gemlite_tune
+    peer_list = pe.from_args(args)
 
     from vllm_kbit import ops  # noqa: F401  (schemas + extension)
     assert ops.HAS_CUDA_KERNELS, "vllm_kbit._C is not built"

@@ -97,6 +97,22 @@ class Peer:
 _NAME = re.compile(r"^([a-z]+)-w(\d+)g(\d+)$")
 
 
+def add_arguments(ap) -> None:
+    """The peer options bench_gemm.py and bench_decode.py share (read back by from_args)."""
+    ap.add_argument("--peers", default="", help="other low-bit kernels beside kbit: 'all', families (gemlite, "
+                    "tinygemm, gptq, exllama) or FAMILY-wBgG names, comma separated (benchmarks/peers.py)")
+    ap.add_argument("--peer-bits", default="2,3,4", help="bit widths of the peer families' defaults")
+    ap.add_argument("--gemlite-tune", default="borrow", choices=("borrow", "fast"),
+                    help="GemLite's launch configs: its shipped H100 table + borrowed 4-bit entries, or its "
+                         "own autotuning (minutes per shape set)")
+
+
+def from_args(args) -> list[Peer]:
+    """The peers add_arguments' options select, with GemLite's tuning mode set."""
+    GEMLITE.mode = args.gemlite_tune
+    return select(args.peers, [int(b) for b in args.peer_bits.split(",") if b])
+
+
 def select(spec: str, bits=None) -> list[Peer]:
     """Peers named by `spec` ('all', 'none', families or FAMILY-wBgG, comma separated), the
     families' defaults filtered to `bits` (an iterable of ints; None keeps all)."""

@@ -21,6 +21,28 @@ def pytest_configure(config):
         platforms.current_platform = platforms._current_platform
 
 
+@pytest.fixture(scope="module")
+def vllm_single_process():
+    """vLLM's distributed state for one process (world size 1, gloo, a free local port), as its
+    parallel layers need to be built; for the module that asks for it."""
+    import socket
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
+                                  init_distributed_environment, initialize_model_parallel)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(1, 1)
+        yield
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

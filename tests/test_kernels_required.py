@@ -16,7 +16,9 @@ pytest.importorskip("vllm")
 
 from vllm_kbit import ops  # noqa: E402
 
-from test_vllm_layers import make_config, vllm_env  # noqa: E402,F401  (vLLM's parallel state)
+from test_vllm_layers import make_config  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("vllm_single_process")  # vLLM's parallel state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

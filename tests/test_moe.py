@@ -7,7 +7,6 @@ Runs on the CPU (the ops' reference path and torch stand-ins for vLLM's CUDA MoE
 unchanged, on a GPU with the CUDA kernels and vLLM's MoE ops."""
 import contextlib
 import json
-import socket
 import zlib
 from pathlib import Path
 from unittest import mock
@@ -24,8 +23,6 @@ from vllm_kbit import ops  # noqa: E402
 vllm_kbit.register()
 
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
-from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,  # noqa: E402
-                              init_distributed_environment, initialize_model_parallel)
 from vllm.model_executor.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod  # noqa: E402
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
 from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod  # noqa: E402
@@ -38,19 +35,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def vllm_env():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(1, 1)
-        yield
-        destroy_model_parallel()
-        destroy_distributed_environment()
+pytestmark = pytest.mark.usefixtures("vllm_single_process")
 
 
 def rel_err(y, ref):
@@ -495,7 +480,7 @@ def test_online_quantization_of_float_experts():
 def test_dummy_load_fills_valid_kbit_experts():
     vc = VllmConfig()
     vc.load_config.load_format = "dummy"
-    with set_current_vllm_config(vc), mock.patch("vllm_kbit.moe.get_current_vllm_config_or_none", return_value=vc):
+    with set_current_vllm_config(vc), mock.patch("vllm_kbit.linear.get_current_vllm_config_or_none", return_value=vc):
         layer = build_moe(make_config(3), 4, 64, 64, 2)
     gen = torch.Generator().manual_seed(9)
     weights, ids = routing(8, 4, 2, gen)

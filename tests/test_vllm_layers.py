@@ -3,7 +3,6 @@ QKV / gate_up shards, row-parallel, emulated tensor parallelism, ignore rules, c
 
 Runs on the CPU (the op's reference path) and, unchanged, on a GPU with the CUDA kernels."""
 import contextlib
-import socket
 import zlib
 from unittest import mock
 
@@ -19,8 +18,6 @@ from vllm_kbit import ops  # noqa: E402
 vllm_kbit.register()
 
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
-from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,  # noqa: E402
-                              init_distributed_environment, initialize_model_parallel)
 from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,  # noqa: E402
                                                RowParallelLinear, UnquantizedLinearMethod)
 from vllm.model_executor.layers.quantization import get_quantization_config  # noqa: E402
@@ -37,19 +34,7 @@ PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_pro
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def vllm_env():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(1, 1)
-        yield
-        destroy_model_parallel()
-        destroy_distributed_environment()
+pytestmark = pytest.mark.usefixtures("vllm_single_process")
 
 
 def make_config(bits, ignore=("lm_head",), codebook=None, **extra):

@@ -18,10 +18,9 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from vllm_kbit import format as kf
 from vllm_kbit.quant.codebooks import default_codebook
-from vllm_kbit.convert import ROUTER_PATTERN
 
 # MoE routers: always float, whatever the ignore list (as convert leaves them)
-ROUTER_RE = re.compile(ROUTER_PATTERN[len("re:"):])
+ROUTER_RE = re.compile(kf.ROUTER_PATTERN[len("re:"):])
 
 
 @register_quantization_config("kbit")

@@ -58,17 +58,14 @@ from pathlib import Path
 import torch
 
 from vllm_kbit import format as kf
-from vllm_kbit.format import KbitFormatError
+from vllm_kbit.format import ROUTER_PATTERN, KbitFormatError
 from vllm_kbit.quant import METHODS, default_codebook
 
 # See docs/FORMAT.md ("Choosing a method") for the measurement behind the default.
 DEFAULT_METHOD = "mse"
 
-# lm_head; MoE routers (a layer's `gate`, Qwen2-MoE's `shared_expert_gate`, `router`): tiny
-# linears whose rounding would move every token's choice of experts; vllm_kbit.config keeps
-# them float in vLLM too, whatever the ignore list.
+# lm_head, and the MoE routers (format.ROUTER_PATTERN)
 LM_HEAD = "lm_head"
-ROUTER_PATTERN = r"re:.*\.(gate|router|shared_expert_gate)$"
 DEFAULT_IGNORE = (LM_HEAD, ROUTER_PATTERN)
 # One expert's linear weight, stored per expert: LAYER.experts.E.PROJ.weight.
 _EXPERT_RE = re.compile(r"(?P<layer>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)\.weight")

@@ -19,6 +19,10 @@ import functools
 import torch
 
 BLOCK_SIZE = 32
+# MoE routers (a layer's `gate`, Qwen2-MoE's `shared_expert_gate`, `router`): tiny linears whose
+# rounding would move every token's choice of experts; convert and the vLLM config keep them
+# float, whatever the ignore list (compressed-tensors pattern syntax).
+ROUTER_PATTERN = r"re:.*\.(gate|router|shared_expert_gate)$"
 SUPPORTED_BITS = (2, 3, 4, 5)
 
 E4M4_BIAS = 11

@@ -30,6 +30,22 @@ logger = init_logger("vllm.kbit")
 _DUMMY_CODE_LO, _DUMMY_CODE_HI = int(kf.encode_e4m4(torch.tensor(0.03))), int(kf.encode_e4m4(torch.tensor(0.12)))
 
 
+def load_mode(config) -> str:
+    """How a kbit layer gets its weights, fixed at create time: "dummy" (`--load-format dummy`),
+    "checkpoint" (a kbit checkpoint) or "online" (`--quantization kbit` on a float checkpoint)."""
+    vc = get_current_vllm_config_or_none()
+    if vc is not None and vc.load_config.load_format == "dummy":
+        return "dummy"
+    return "checkpoint" if config.from_checkpoint else "online"
+
+
+def fill_dummy(qweight: torch.Tensor, absmax: torch.Tensor) -> None:
+    """Random valid kbit weights in place: every bit pattern (plain random_() never sets bit 31)
+    and block scales in the dummy range."""
+    qweight.random_(-2**31, 2**31)
+    absmax.random_(_DUMMY_CODE_LO, _DUMMY_CODE_HI + 1)
+
+
 @register_weight_loader_v2_supported_method
 class KbitLinearMethod(LinearMethodBase):
     """Three modes, fixed at create time:
@@ -54,9 +70,7 @@ class KbitLinearMethod(LinearMethodBase):
                 f"kbit layer {self.prefix}: input size {input_size}{split} is not a multiple of "
                 f"the {kf.BLOCK_SIZE}-weight block; use a tensor-parallel size that keeps whole "
                 f"blocks per rank, or list the layer in quantization_config.ignore")
-        vc = get_current_vllm_config_or_none()
-        dummy = vc is not None and vc.load_config.load_format == "dummy"
-        layer.kbit_mode = "dummy" if dummy else ("checkpoint" if self.config.from_checkpoint else "online")
+        layer.kbit_mode = load_mode(self.config)
         layer.kbit_n, layer.kbit_k = n, k
         layer.kbit_loaded = {}
         layer.kbit_expected_shards = len(output_partition_sizes)
@@ -137,8 +151,7 @@ class KbitLinearMethod(LinearMethodBase):
         else:
             qweight, absmax = layer.qweight.data, layer.absmax.data
             if layer.kbit_mode == "dummy":
-                qweight.random_(-2**31, 2**31)  # every bit pattern (plain random_() never sets bit 31)
-                absmax.random_(_DUMMY_CODE_LO, _DUMMY_CODE_HI + 1)
+                fill_dummy(qweight, absmax)
             else:
                 self._check_all_loaded(layer, ("qweight", "absmax"))
                 if hasattr(layer, "codebook"):  # quantization_config.codebook_per_layer

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from vllm.config import get_current_vllm_config_or_none
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
@@ -34,7 +33,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_kbit import format as kf
 from vllm_kbit import ops
-from vllm_kbit.linear import _DUMMY_CODE_HI, _DUMMY_CODE_LO
+from vllm_kbit.linear import fill_dummy, load_mode
 
 # Rows of sorted (token, expert) pairs per block of kbit::moe_gemm.
 BLOCK_M = 16
@@ -321,9 +320,7 @@ class KbitMoEMethod(FusedMoEMethodBase):
                 f"not a multiple of the {kf.BLOCK_SIZE}-weight block; use a tensor-parallel size that keeps "
                 f"whole blocks per rank (or expert parallelism), or list the layer in quantization_config.ignore")
         n13 = 2 * inter if moe.is_act_and_mul else inter
-        vc = get_current_vllm_config_or_none()
-        dummy = vc is not None and vc.load_config.load_format == "dummy"
-        layer.kbit_mode = "dummy" if dummy else ("checkpoint" if self.config.from_checkpoint else "online")
+        layer.kbit_mode = load_mode(self.config)
         layer.kbit_dims = (hid, inter, moe.is_act_and_mul)
         layer.kbit_loaded = {}
         loader = extra_weight_attrs["weight_loader"]
@@ -393,10 +390,8 @@ class KbitMoEMethod(FusedMoEMethodBase):
                 delattr(layer, src)
         else:
             if layer.kbit_mode == "dummy":
-                for name in ("w13_qweight", "w2_qweight"):
-                    getattr(layer, name).data.random_(-2**31, 2**31)
-                for name in ("w13_absmax", "w2_absmax"):
-                    getattr(layer, name).data.random_(_DUMMY_CODE_LO, _DUMMY_CODE_HI + 1)
+                for w in ("w13", "w2"):
+                    fill_dummy(getattr(layer, f"{w}_qweight").data, getattr(layer, f"{w}_absmax").data)
             else:
                 self._check_all_loaded(layer, ("w13_qweight", "w13_absmax", "w2_qweight", "w2_absmax"))
             tensors = {w: (getattr(layer, f"{w}_qweight").data, getattr(layer, f"{w}_absmax").data)
@@ -415,6 +410,7 @@ class KbitMoEMethod(FusedMoEMethodBase):
         layer.kbit_dense_chunk = dense_chunk_size(hid, (2 if gated else 1) * inter, inter)
         layer.kbit_dense_maps = dense_expert_maps(layer.expert_map, layer.global_num_experts,
                                                   layer.w13_qweight.shape[0], layer.kbit_dense_chunk, device)
+        layer.kbit_experts = self.experts(layer)
 
     # -- forward
 
@@ -433,5 +429,5 @@ class KbitMoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         # the MoE runner runs the shared experts itself (this method has no modular kernel)
-        return experts_forward(self.experts(layer), x, topk_weights, topk_ids,
+        return experts_forward(layer.kbit_experts, x, topk_weights, topk_ids,
                                apply_router_weight_on_input=layer.apply_router_weight_on_input)
