@@ -17,10 +17,15 @@ from vllm.model_executor.layers.quantization.compressed_tensors.utils import sho
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from vllm_kbit import format as kf
+from vllm_kbit.fp8 import check_activations
 from vllm_kbit.quant.codebooks import default_codebook
 
 # MoE routers: always float, whatever the ignore list (as convert leaves them)
 ROUTER_RE = re.compile(kf.ROUTER_PATTERN[len("re:"):])
+
+# the top-level hf_config key a serve-time `--hf-overrides` sets (vLLM replaces a dict-valued
+# override such as quantization_config whole, so one field of it cannot be overridden alone)
+ACTIVATIONS_OVERRIDE = "kbit_activations"
 
 
 @register_quantization_config("kbit")
@@ -39,7 +44,8 @@ class KbitConfig(QuantizationConfig):
 
     def __init__(self, bits: int = 4, block_size: int = kf.BLOCK_SIZE, codebook=None,
                  ignore: list[str] | None = None, absmax_format: str = "e4m4",
-                 from_checkpoint: bool = False, lm_head: bool = False, codebook_per_layer: bool = False):
+                 from_checkpoint: bool = False, lm_head: bool = False, codebook_per_layer: bool = False,
+                 activations: str = "auto"):
         super().__init__()
         kf.check_bits(bits)
         if block_size != kf.BLOCK_SIZE:
@@ -69,9 +75,11 @@ class KbitConfig(QuantizationConfig):
         # every quantized layer stores its own `codebook` tensor (convert --fit-codebook)
         self.codebook_per_layer = codebook_per_layer
         self.from_checkpoint = from_checkpoint
+        self.activations = check_activations(activations, bits)
 
     def __repr__(self) -> str:
-        return f"KbitConfig(bits={self.bits}, lm_head={self.lm_head_quantized}, ignore={self.ignore})"
+        return (f"KbitConfig(bits={self.bits}, activations={self.activations!r}, lm_head={self.lm_head_quantized}, "
+                f"ignore={self.ignore})")
 
     def get_name(self) -> str:
         return "kbit"
@@ -96,7 +104,19 @@ class KbitConfig(QuantizationConfig):
                    ignore=cls.get_from_keys_or(config, ["ignore"], None),
                    absmax_format=cls.get_from_keys_or(config, ["absmax_format"], "e4m4"),
                    from_checkpoint=True, lm_head=cls.get_from_keys_or(config, ["lm_head"], False),
-                   codebook_per_layer=cls.get_from_keys_or(config, ["codebook_per_layer"], False))
+                   codebook_per_layer=cls.get_from_keys_or(config, ["codebook_per_layer"], False),
+                   activations=cls.get_from_keys_or(config, ["activations"], "auto"))
+
+    def serving_activations(self) -> str:
+        """The activations this model's layers run: `--hf-overrides '{"kbit_activations": ...}'`
+        where given (checkpoints, `--quantization kbit`, dummy weights alike), else
+        quantization_config.activations."""
+        vc = get_current_vllm_config_or_none()
+        hf = vc.model_config.hf_config if vc is not None and vc.model_config is not None else None
+        override = getattr(hf, ACTIVATIONS_OVERRIDE, None) if hf is not None else None
+        if override is None:
+            return self.activations
+        return check_activations(override, self.bits, f"--hf-overrides {ACTIVATIONS_OVERRIDE}")
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         if self.ignore:

@@ -3,6 +3,7 @@
     python -m vllm_kbit.convert SRC DST --bits K [--ignore PATTERN ...] [--overwrite]
         [--quantize-lm-head] [--device cpu|cuda] [--codebook JSON_FILE_OR_LIST] [--max-shard-size 2GB]
         [--method rtn|mse|gptq] [--calib TEXT_FILE] [--calib-samples 128] [--fit-codebook]
+        [--activations auto|fp8]
 
 What is quantized: the weight of every `Linear` of the architecture named by SRC/config.json,
 found by building that architecture on the meta device with transformers and matching it with
@@ -59,6 +60,7 @@ import torch
 
 from vllm_kbit import format as kf
 from vllm_kbit.format import ROUTER_PATTERN, KbitFormatError
+from vllm_kbit.fp8 import ACTIVATIONS, check_activations
 from vllm_kbit.quant import METHODS, default_codebook
 
 # See docs/FORMAT.md ("Choosing a method") for the measurement behind the default.
@@ -655,7 +657,8 @@ def _make_plan(src: Path, items: list[_Item], bits: int, cb: torch.Tensor, devic
 def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = False,
             device: str | torch.device | None = None, max_shard_size: int | str = "2GB",
             progress: bool = True, quantize_lm_head: bool = False, method: str = DEFAULT_METHOD,
-            calib: str | None = None, calib_samples: int = 128, fit_codebook: bool = False) -> ConversionReport:
+            calib: str | None = None, calib_samples: int = 128, fit_codebook: bool = False,
+            activations: str = "auto") -> ConversionReport:
     """Write a kbit checkpoint of the HF safetensors model folder `src` to `dst` (see the module
     docstring). `ignore`: extra compressed-tensors patterns of modules to keep unquantized;
     `quantize_lm_head`: quantize the output projection too (smaller and faster per decode step,
@@ -664,12 +667,18 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     normal-float codebook with a zero level); `method`: rtn, mse or gptq (quant/rounding.py;
     gptq runs the model over `calib`, a plain-text file, or over text the model samples);
     `fit_codebook`: store a Lloyd-Max codebook per layer (one per fused q/k/v and gate/up group);
+    `activations`: the config's `activations` ("auto": the model's dtype; "fp8": e4m3 with
+    per-token scales on the tensor-core paths, docs/FP8.md);
     `device`: where to quantize (default cuda when available). Raises ConversionError or
     KbitFormatError (naming the tensor) on bad input, leaving nothing behind."""
     kf.check_bits(bits)
     cb = default_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
     if method not in METHODS:
         raise ConversionError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    try:
+        check_activations(activations, bits, "activations")
+    except ValueError as e:
+        raise ConversionError(str(e).removeprefix("kbit: ")) from None
     if calib_samples < 1:
         raise ConversionError(f"calib_samples must be at least 1, got {calib_samples}")
     if calib is not None and method != "gptq":
@@ -740,7 +749,7 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
 
     config["quantization_config"] = {
         "quant_method": "kbit", "bits": bits, "block_size": kf.BLOCK_SIZE, "absmax_format": "e4m4",
-        "codebook": [float(v) for v in cb], "ignore": report.ignore}
+        "codebook": [float(v) for v in cb], "ignore": report.ignore, "activations": activations}
     if quantize_lm_head:
         config["quantization_config"]["lm_head"] = True
     if fit_codebook:
@@ -823,6 +832,11 @@ def main(argv=None) -> int:
                         help="gptq calibration windows of 512 tokens (default 128)")
     parser.add_argument("--fit-codebook", action="store_true",
                         help="store a codebook fitted to each layer's weights (Lloyd-Max) with the layer")
+    parser.add_argument("--activations", default="auto", choices=ACTIVATIONS,
+                        help="auto: multiply in the model's dtype (fp16/bf16); fp8: e4m3 activations with "
+                             "per-token scales on the tensor-core paths (Hopper; docs/FP8.md). Written to "
+                             "quantization_config.activations; vLLM's --hf-overrides "
+                             "'{\"kbit_activations\": ...}' overrides it at serve time (default auto)")
     try:
         args = parser.parse_args(argv)
         codebook = _load_codebook(args.codebook) if args.codebook is not None else None
@@ -830,7 +844,7 @@ def main(argv=None) -> int:
                          overwrite=args.overwrite, device=args.device, max_shard_size=args.max_shard_size,
                          quantize_lm_head=args.quantize_lm_head, method=args.method, calib=args.calib,
                          calib_samples=args.calib_samples,
-                         fit_codebook=args.fit_codebook)
+                         fit_codebook=args.fit_codebook, activations=args.activations)
     except (*CLI_ERRORS, KeyboardInterrupt) as e:
         return cli_error(e)
     print(report.summary())

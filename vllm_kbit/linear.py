@@ -1,5 +1,6 @@
 """KbitLinearMethod: the parameters vLLM loads for a kbit linear layer, the load-time repack,
-and `apply`, which calls the one fused op `kbit::gemm`.
+and `apply`, which calls the one fused op `kbit::gemm` (or, with FP8 activations,
+`kbit::linear_fp8`: vllm_kbit.fp8).
 
 Parameters (per tensor-parallel rank: N = sum(output_partition_sizes), K = input size per rank):
   qweight  int32 [N, K/32*bits]  PackedvLLMParameter   (input_dim=1, output_dim=0)
@@ -20,7 +21,7 @@ from vllm.model_executor.layers.quantization.utils.layer_utils import replace_pa
 from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter, PackedvLLMParameter
 
 from vllm_kbit import format as kf
-from vllm_kbit import ops
+from vllm_kbit import fp8, ops
 
 # under vLLM's logger, whose handler prints INFO in every vLLM process
 logger = init_logger("vllm.kbit")
@@ -71,6 +72,7 @@ class KbitLinearMethod(LinearMethodBase):
                 f"the {kf.BLOCK_SIZE}-weight block; use a tensor-parallel size that keeps whole "
                 f"blocks per rank, or list the layer in quantization_config.ignore")
         layer.kbit_mode = load_mode(self.config)
+        layer.kbit_fp8 = self._fp8_activations()
         layer.kbit_n, layer.kbit_k = n, k
         layer.kbit_loaded = {}
         layer.kbit_expected_shards = len(output_partition_sizes)
@@ -94,6 +96,20 @@ class KbitLinearMethod(LinearMethodBase):
                                                input_size // kf.BLOCK_SIZE)))
         if self.config.codebook_per_layer and layer.kbit_mode == "checkpoint":
             self._create_codebook(layer)
+
+    def _fp8_activations(self) -> bool:
+        """Whether this layer runs FP8 activations: the config asks for them (or a serve-time
+        override does) and this process can run them; where it cannot (a GPU without the FP8
+        kernel), 16-bit activations, said once in the log."""
+        if self.config.serving_activations() != "fp8":
+            return False
+        why_not = fp8.unavailable_reason()
+        if why_not is not None:
+            logger.warning_once("vllm_kbit: activations fp8 asked for, but %s; kbit layers multiply "
+                                "16-bit activations", why_not)
+            return False
+        logger.info_once("vllm_kbit: kbit layers run FP8 activations above %d tokens", fp8.GEMV_MAX_M)
+        return True
 
     def _create_codebook(self, layer: torch.nn.Module) -> None:
         """The layer's own codebook (`P.codebook`, float32 [2^bits]). A fused layer (qkv_proj,
@@ -158,6 +174,8 @@ class KbitLinearMethod(LinearMethodBase):
                     self._check_all_loaded(layer, ("codebook",))
                     cb = layer.codebook.data.float().cpu()
                     del layer.codebook
+        if layer.kbit_fp8:  # the weight's power-of-two exponent for e4m3 (fp8.weight_exponent)
+            layer.kbit_w_exp = fp8.weight_exponent(absmax)
         packed, absmax_packed = ops.repack(qweight, absmax, bits)
         for name, t in (("qweight", packed), ("absmax", absmax_packed)):
             if hasattr(layer, name):
@@ -182,5 +200,8 @@ class KbitLinearMethod(LinearMethodBase):
                          f"to the input embeddings; set lm_head to false")
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.kbit_fp8:
+            return fp8.gemm(x, layer.qweight, layer.absmax, layer.kbit_codebook, self.config.bits,
+                            layer.kbit_n, layer.kbit_k, layer.kbit_w_exp, bias)
         return ops.gemm(x, layer.qweight, layer.absmax, layer.kbit_codebook, self.config.bits,
                         layer.kbit_n, layer.kbit_k, bias)
