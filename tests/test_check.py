@@ -26,6 +26,8 @@ def test_check_on_a_cpu_machine():
     assert f"at {os.path.join(ROOT, 'vllm_kbit')}" in out and f"torch {torch.__version__}" in out
     assert "extension vllm_kbit._C: not built (ModuleNotFoundError" in out
     assert "GPU: none visible" in out and "reference" in out
+    assert "FP8 activations (quantization_config.activations or --hf-overrides kbit_activations = fp8): " \
+           "the PyTorch reference (vllm_kbit.fp8)" in out
     assert "the `kbit` quantization method is registered" in out and "OK:" in out
 
 

@@ -199,6 +199,35 @@ def test_convert_writes_the_activations_field(tmp_path, capsys):
     assert not (tmp_path / "c").exists()
 
 
+def test_check_reports_a_models_setting(tmp_path, monkeypatch):
+    import io
+
+    from vllm_kbit import check
+    converted(tmp_path)
+    assert check.model_line(str(tmp_path / "b")) == (f"model {tmp_path / 'b'}: kbit K=4, activations fp8", None)
+    assert check.model_line(str(tmp_path / "a"))[0].endswith("kbit K=4, activations auto")
+    line, problem = check.model_line(str(tmp_path / "src"))
+    assert "not a kbit checkpoint" in line and problem
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    cfg["quantization_config"]["activations"] = "int8"
+    (tmp_path / "b" / "config.json").write_text(json.dumps(cfg))
+    line, problem = check.model_line(str(tmp_path / "b"))
+    assert "quantization_config.activations must be one of 'auto', 'fp8', got 'int8'" in problem
+    monkeypatch.setattr(check, "_vllm_sees_kbit", lambda: (True, "fake"))
+    out = io.StringIO()
+    assert check.run(out, model=str(tmp_path / "a")) == 0 and "activations auto" in out.getvalue()
+    assert check.run(io.StringIO(), model=str(tmp_path / "b")) == 1
+
+
+@pytest.mark.parametrize("why", [None, "this vllm_kbit has no FP8 kernel"])
+def test_check_says_what_fp8_layers_run(why, monkeypatch):
+    from vllm_kbit import check
+    monkeypatch.setattr(fp8, "unavailable_reason", lambda: why)
+    line = check.fp8_line()
+    assert line.startswith("FP8 activations (")
+    assert (f"16-bit activations instead: {why}" in line) if why else ("above 16 tokens" in line)
+
+
 pytest.importorskip("vllm")
 
 import vllm_kbit  # noqa: E402

@@ -1,9 +1,10 @@
-"""Check a vllm_kbit install: `python3 -m vllm_kbit.check` (or `vllm-kbit-check`).
+"""Check a vllm_kbit install: `python3 -m vllm_kbit.check [MODEL_DIR]` (or `vllm-kbit-check`).
 
 Prints the package, torch and CUDA versions, whether the CUDA extension loaded (or why not),
 the architectures it was built for, the GPU and the kernel paths it gets (each one, and the MoE
-expert kernel, run once against a float64 reference), and whether vLLM loads the plugin and
-sees the `kbit` method.
+expert kernel, run once against a float64 reference), what FP8 activations run on here, and
+whether vLLM loads the plugin and sees the `kbit` method. With MODEL_DIR (a kbit checkpoint),
+also its bits and activations setting.
 Exit status 1 where a GPU is present but the kbit kernels are not usable on it, or where vLLM
 is installed but does not see `kbit`; 0 otherwise (a machine without a GPU runs the reference).
 """
@@ -127,7 +128,39 @@ def _vllm_sees_kbit() -> tuple[bool | None, str]:
     return False, f"{vllm.__version__} does not see the `kbit` method ({why})"
 
 
-def run(out=sys.stdout) -> int:
+def fp8_line() -> str:
+    """What layers set to FP8 activations run in this process."""
+    from vllm_kbit import fp8
+    how = "quantization_config.activations or --hf-overrides kbit_activations = fp8"
+    why_not = fp8.unavailable_reason()
+    if why_not is not None:
+        return f"FP8 activations ({how}): not here, 16-bit activations instead: {why_not}"
+    where = ("the CUDA FP8 kernel" if fp8.kernel_available() else
+             "the PyTorch reference (vllm_kbit.fp8), the function the kernel computes")
+    return f"FP8 activations ({how}): {where}, above {fp8.GEMV_MAX_M} tokens"
+
+
+def model_line(folder: str) -> tuple[str, str | None]:
+    """(A kbit checkpoint's settings, a problem or None)."""
+    import json
+    from vllm_kbit import fp8
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as f:
+            qc = json.load(f).get("quantization_config")
+    except (OSError, ValueError) as e:
+        return f"model {folder}: cannot read {path} ({e})", f"cannot read {path}"
+    if not qc or qc.get("quant_method") != "kbit":
+        return f"model {folder}: not a kbit checkpoint (no kbit quantization_config)", f"{folder} is not a kbit checkpoint"
+    activations = qc.get("activations", "auto")
+    try:
+        fp8.check_activations(activations, qc.get("bits"))
+    except ValueError as e:
+        return f"model {folder}: {e}", str(e)
+    return f"model {folder}: kbit K={qc.get('bits')}, activations {activations}", None
+
+
+def run(out=sys.stdout, model: str | None = None) -> int:
     import vllm_kbit
     from vllm_kbit import ops
 
@@ -190,6 +223,13 @@ def run(out=sys.stdout) -> int:
                 say(f"  MoE experts (moe_gemm): FAILED: {' '.join(str(e).split())[:300]}")
                 problems.append(f"the MoE expert kernel fails on this GPU (a stale build? {ops.build_command()})")
 
+    say(fp8_line())
+    if model is not None:
+        line, problem = model_line(model)
+        say(line)
+        if problem is not None:
+            problems.append(problem)
+
     seen, what = _vllm_sees_kbit()
     say(f"vLLM: {what}")
     if seen is False:
@@ -203,8 +243,12 @@ def run(out=sys.stdout) -> int:
     return 1 if problems else 0
 
 
-def main() -> int:
-    return run()
+def main(argv=None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(prog="python3 -m vllm_kbit.check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", metavar="MODEL_DIR", help="a kbit checkpoint folder: show its settings")
+    args = parser.parse_args(argv)
+    return run(model=args.model)
 
 
 if __name__ == "__main__":
