@@ -276,6 +276,18 @@ def test_hf_overrides_reach_the_config(tmp_path):
         assert KbitConfig.from_config(bad.quantization_config).serving_activations() == "fp8"
 
 
+def test_vllm_replaces_a_dict_valued_override_whole(tmp_path):
+    """Why the serve-time key is top-level: vLLM's ModelConfig sets a dict-valued hf_override
+    (quantization_config is a plain dict in hf_config) in place of the checkpoint's, so a
+    partial quantization_config would drop bits and codebook."""
+    from vllm.config import ModelConfig
+    from vllm.transformers_utils.config import get_config
+    converted(tmp_path)
+    hf = get_config(str(tmp_path / "a"), trust_remote_code=False)
+    ModelConfig._apply_dict_overrides(mock.Mock(), hf, {"quantization_config": {"activations": "fp8"}})
+    assert hf.quantization_config == {"activations": "fp8"}
+
+
 # ----------------------------------------------------------------------------- vLLM layers on the CPU
 
 @pytest.mark.usefixtures("vllm_single_process")
