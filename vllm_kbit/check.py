@@ -154,7 +154,7 @@ def model_line(folder: str) -> tuple[str, str | None]:
         return f"model {folder}: not a kbit checkpoint (no kbit quantization_config)", f"{folder} is not a kbit checkpoint"
     activations = qc.get("activations", "auto")
     try:
-        fp8.check_activations(activations, qc.get("bits"))
+        fp8.check_activations(activations)
     except ValueError as e:
         return f"model {folder}: {e}", str(e)
     return f"model {folder}: kbit K={qc.get('bits')}, activations {activations}", None

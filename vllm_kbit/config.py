@@ -75,7 +75,7 @@ class KbitConfig(QuantizationConfig):
         # every quantized layer stores its own `codebook` tensor (convert --fit-codebook)
         self.codebook_per_layer = codebook_per_layer
         self.from_checkpoint = from_checkpoint
-        self.activations = check_activations(activations, bits)
+        self.activations = check_activations(activations)
 
     def __repr__(self) -> str:
         return (f"KbitConfig(bits={self.bits}, activations={self.activations!r}, lm_head={self.lm_head_quantized}, "
@@ -116,7 +116,7 @@ class KbitConfig(QuantizationConfig):
         override = getattr(hf, ACTIVATIONS_OVERRIDE, None) if hf is not None else None
         if override is None:
             return self.activations
-        return check_activations(override, self.bits, f"--hf-overrides {ACTIVATIONS_OVERRIDE}")
+        return check_activations(override, f"--hf-overrides {ACTIVATIONS_OVERRIDE}")
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         if self.ignore:

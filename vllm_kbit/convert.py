@@ -676,7 +676,7 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     if method not in METHODS:
         raise ConversionError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     try:
-        check_activations(activations, bits, "activations")
+        check_activations(activations, "activations")
     except ValueError as e:
         raise ConversionError(str(e).removeprefix("kbit: ")) from None
     if calib_samples < 1:
