@@ -427,6 +427,16 @@ class KbitMoEMethod(FusedMoEMethodBase):
                            global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
                            dense_maps=layer.kbit_dense_maps, dense_chunk=layer.kbit_dense_chunk)
 
+    def select_gemm_impl(self, prepare_finalize, layer):
+        # vLLM asks for a modular experts kernel where it wraps the MoE layer: LoRA on the
+        # experts (FusedMoEWithLoRA), or an all-to-all expert-parallel backend. kbit experts
+        # run in apply() only; vLLM's own message here blames a migration.
+        raise ValueError(
+            f"kbit MoE layer {self.prefix}: vLLM asks for a modular MoE kernel (LoRA on the experts, "
+            f"or an all-to-all expert-parallel backend), which kbit experts do not provide. With "
+            f"--enable-lora, leave the experts out of --lora-target-modules (e.g. --lora-target-modules "
+            f"q_proj k_proj v_proj o_proj); or list the layer in quantization_config.ignore")
+
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         # the MoE runner runs the shared experts itself (this method has no modular kernel)
         return experts_forward(layer.kbit_experts, x, topk_weights, topk_ids,

@@ -1,0 +1,115 @@
+"""The CPU side of tests/test_compat_gpu.py: the random LoRA adapter loads through vLLM's own
+adapter loader with the shapes and scaling vLLM applies; the greedy comparison accepts
+near-ties only; every engine the GPU file starts has arguments vLLM accepts; and LoRA on kbit
+experts stops with an error that says what to do."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_kbit.synthetic import make_random_model  # noqa: E402
+
+from compat_common import ATTENTION, MLP, greedy_mismatches, lora_shapes, write_lora_adapter  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_random_model(tmp_path_factory.mktemp("llama") / "m", hidden_size=256, intermediate_size=512,
+                             num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=300)
+
+
+def test_lora_adapter_loads_through_vllm(llama, tmp_path, monkeypatch):
+    from vllm.lora import lora_model
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    monkeypatch.setattr(lora_model, "PIN_MEMORY", False)  # pinned host memory needs a GPU
+
+    dst = write_lora_adapter(tmp_path / "a", llama, rank=8, alpha=16, seed=3)
+    peft = PEFTHelper.from_local_dir(str(dst), max_position_embeddings=2048)
+    assert peft.r == 8 and peft.vllm_lora_scaling_factor == 2.0
+    model = LoRAModel.from_local_checkpoint(str(dst), set(ATTENTION + MLP), peft, lora_model_id=1,
+                                            device="cpu", dtype=torch.bfloat16)
+    config = json.loads((llama / "config.json").read_text())
+    shapes = lora_shapes(config)
+    assert len(model.loras) == config["num_hidden_layers"] * len(ATTENTION + MLP)
+    for layer in range(config["num_hidden_layers"]):
+        for t, (out, inp) in shapes.items():
+            block = "self_attn" if t in ATTENTION else "mlp"
+            lw = model.loras[f"model.layers.{layer}.{block}.{t}"]
+            assert tuple(lw.lora_a.shape) == (8, inp) and tuple(lw.lora_b.shape) == (out, 8)
+            assert lw.lora_a.abs().sum() > 0 and lw.lora_b.abs().sum() > 0
+    # a second seed is another adapter
+    other = write_lora_adapter(tmp_path / "b", llama, ATTENTION, seed=4)
+    from safetensors.torch import load_file
+    a, b = load_file(dst / "adapter_model.safetensors"), load_file(other / "adapter_model.safetensors")
+    assert set(b) < set(a)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert not torch.equal(a[key], b[key])
+
+
+def test_lora_adapter_rejects_unknown_targets(llama, tmp_path):
+    with pytest.raises(ValueError, match="unknown targets.*qkv_proj"):
+        write_lora_adapter(tmp_path / "a", llama, ("qkv_proj",))
+
+
+def _entry(ids, steps, prompt=(1, 2, 3)):
+    return {"prompt_ids": list(prompt), "ids": ids, "steps": steps}
+
+
+def test_greedy_mismatches_accepts_near_ties_only():
+    steps = [{"5": -0.1, "6": -2.5}, {"7": -0.70, "8": -0.72}, {"9": -0.2, "3": -3.0}]
+    ref = [_entry([5, 7, 9], steps)]
+    assert greedy_mismatches(ref, [_entry([5, 7, 9], [])], 0.1) == []
+    assert greedy_mismatches(ref, [_entry([5, 8, 1], [])], 0.1) == []  # a near-tie at step 1, then anything
+    assert "below" in greedy_mismatches(ref, [_entry([6, 7, 9], [])], 0.1)[0]  # a clear gap at step 0
+    assert "top tokens" in greedy_mismatches(ref, [_entry([5, 7, 4], [])], 0.1)[0]  # outside the top
+    assert "prompt tokens" in greedy_mismatches(ref, [_entry([5, 7, 9], [], prompt=(1, 2))], 0.1)[0]
+    assert "tokens against" in greedy_mismatches(ref, [_entry([5, 7], [])], 0.1)[0]
+    with pytest.raises(ValueError):
+        greedy_mismatches(ref, [], 0.1)
+
+
+def test_gpu_engines_take_arguments_vllm_accepts(tmp_path):
+    """Every engine of test_compat_gpu as EngineArgs, and its nested configs, built here: a
+    misspelt argument fails on the CPU, not in the one GPU run."""
+    from vllm.config import CompilationConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import StructuredOutputsParams
+
+    import test_compat_gpu as gpu
+
+    names = ["llama4", "llama2", "llama4dq", "moe4", "moe2", "moe4dq", "draft4", "lora-A", "lora-B",
+             "moe-lora-A", "moe-lora-B", "root"]
+    specs = gpu._specs({n: tmp_path / n for n in names})
+    assert {"llama4-eager", "llama4-pc-chunked", "llama4-graphs", "llama4-fp8kv", "llama4-lora", "llama4dq-lora",
+            "llama4-ngram", "llama4-draft", "llama2-eager", "llama2-defaults", "llama4-defaults",
+            "moe4-eager", "moe4-defaults", "moe2-eager", "moe2-defaults", "moe4-fp8kv", "moe4-lora",
+            "moe4dq-lora"} == set(specs)
+    for key, (model, engine, jobs, extra) in specs.items():
+        args = EngineArgs(model=str(model), **engine)
+        if "compilation_config" in engine:
+            CompilationConfig(**engine["compilation_config"])
+        assert args.enforce_eager == ("graphs" not in key and "defaults" not in key), key
+        assert set(extra) <= {"adapters", "metrics"}
+        for job in jobs:
+            assert job["kind"] in ("generate", "prompt_logprobs", "chat", "structured")
+            if "loras" in job:
+                assert len(job["loras"]) == len(job["prompts"]) and set(job["loras"]) <= {"A", "B", None}
+                assert set(extra["adapters"]) == {"A", "B"}
+    for case in gpu.STRUCTURED["cases"]:
+        StructuredOutputsParams(**case)
+    # the chunked engines really chunk the long prompts, and the reference does not
+    assert specs["llama4-pc-chunked"][1]["max_num_batched_tokens"] == 64
+    assert specs["llama4-eager"][1]["max_num_batched_tokens"] >= 4096
+
+
+def test_lora_on_kbit_experts_says_what_to_do():
+    from vllm_kbit.moe import KbitMoEMethod
+
+    method = SimpleNamespace(prefix="model.layers.0.mlp.experts")
+    with pytest.raises(ValueError, match=r"kbit MoE layer model\.layers\.0\.mlp\.experts.*--lora-target-modules"):
+        KbitMoEMethod.select_gemm_impl(method, None, None)
