@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 RUNNER = Path(__file__).with_name("compat_runner.py")
+# the engine core in the runner's own process: one process start and vLLM import an engine
+RUNNER_ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 # Short prompts, and long ones: longer than a chunked-prefill budget of 64 tokens, sharing
 # prefixes of several 16-token KV blocks (prefix caching), with repeats an n-gram drafter finds.
@@ -132,7 +134,7 @@ def run_engine(model: Path, out: Path, engine: dict, jobs: list[dict], adapters:
     spec.write_text(json.dumps({"model": str(model), "engine": engine, "jobs": jobs,
                                 "adapters": {k: str(v) for k, v in (adapters or {}).items()},
                                 "metrics": metrics}))
-    subprocess.run([sys.executable, str(RUNNER), str(spec), str(out)], check=True, timeout=timeout)
+    subprocess.run([sys.executable, str(RUNNER), str(spec), str(out)], check=True, timeout=timeout, env=RUNNER_ENV)
     return json.loads(out.read_text())
 
 

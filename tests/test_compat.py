@@ -86,7 +86,7 @@ def test_gpu_engines_take_arguments_vllm_accepts(tmp_path):
              "moe-lora-A", "moe-lora-B", "root"]
     specs = gpu._specs({n: tmp_path / n for n in names})
     assert {"llama4-eager", "llama4-pc-chunked", "llama4-graphs", "llama4-fp8kv", "llama4-lora", "llama4dq-lora",
-            "llama4-ngram", "llama4-draft", "llama2-eager", "llama2-defaults", "llama4-defaults",
+            "llama4-ngram", "llama4-draft", "llama2-eager", "llama2-defaults",
             "moe4-eager", "moe4-defaults", "moe2-eager", "moe2-defaults", "moe4-fp8kv", "moe4-lora",
             "moe4dq-lora"} == set(specs)
     for key, (model, engine, jobs, extra) in specs.items():
