@@ -145,16 +145,17 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 in its own process group,
+    """`vllm serve` (the OpenAI server) on 127.0.0.1 in its own process group,
     started by `start` (bounded wait for /health) and always stopped by `stop`."""
 
-    def __init__(self, model: Path, args: list[str], log: Path):
+    COMMAND = (sys.executable, "-m", "vllm.entrypoints.cli.main", "serve")
+
+    def __init__(self, model: Path, args: list[str], log: Path, command=COMMAND):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--host", "127.0.0.1", "--port", str(self.port), *args],
+            [*command, str(model), "--host", "127.0.0.1", "--port", str(self.port), *args],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def start(self, timeout: float = 300.0) -> None:

@@ -113,3 +113,81 @@ def test_lora_on_kbit_experts_says_what_to_do():
     method = SimpleNamespace(prefix="model.layers.0.mlp.experts")
     with pytest.raises(ValueError, match=r"kbit MoE layer model\.layers\.0\.mlp\.experts.*--lora-target-modules"):
         KbitMoEMethod.select_gemm_impl(method, None, None)
+
+
+_FAKE_SERVER = r'''
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+time.sleep(1.0)  # not up at once: start() polls
+
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body.get("max_tokens", 0) > 100:
+            out = json.dumps({"error": {"message": "too long"}}).encode()
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(out)
+            return
+        if body.get("stream"):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for piece in ("ab", "c"):
+                self.wfile.write(("data: " + json.dumps({"choices": [{"text": piece}]}) + "\n\n").encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+            return
+        out = json.dumps({"echo": body}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(out)
+
+
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), H).serve_forever()
+'''
+
+
+def test_server_client_starts_posts_streams_and_stops(tmp_path):
+    """compat_common.Server against a stand-in HTTP server: the bounded wait for /health, JSON
+    posts (an HTTP error comes back as its status and body), server-sent events up to [DONE],
+    and the process group stopped."""
+    import sys
+
+    from compat_common import Server
+
+    script = tmp_path / "fake.py"
+    script.write_text(_FAKE_SERVER)
+    s = Server(tmp_path / "model", ["--x"], tmp_path / "log", command=(sys.executable, str(script)))
+    try:
+        s.start(timeout=60)
+        assert s.post("/v1/completions", {"max_tokens": 3}) == (200, {"echo": {"max_tokens": 3}})
+        status, err = s.post("/v1/completions", {"max_tokens": 1000})
+        assert status == 400 and err["error"]["message"] == "too long"
+        assert [e["choices"][0]["text"] for e in s.stream("/v1/completions", {})] == ["ab", "c"]
+    finally:
+        s.stop()
+    assert s.proc.returncode is not None
+
+
+def test_server_start_reports_an_early_exit(tmp_path):
+    import sys
+
+    from compat_common import Server
+
+    s = Server(tmp_path / "model", [], tmp_path / "log", command=(sys.executable, "-c", "raise SystemExit(3)"))
+    try:
+        with pytest.raises(RuntimeError, match="exited with 3"):
+            s.start(timeout=60)
+    finally:
+        s.stop()
