@@ -100,6 +100,11 @@ def test_gpu_engines_take_arguments_vllm_accepts(tmp_path):
             if "loras" in job:
                 assert len(job["loras"]) == len(job["prompts"]) and set(job["loras"]) <= {"A", "B", None}
                 assert set(extra["adapters"]) == {"A", "B"}
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    server = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m", *gpu.SERVER_ARGS])
+    assert server.max_model_len == 32768 and server.enforce_eager and server.enable_prefix_caching is False
+    assert server.served_model_name == ["kbit"]
     for case in gpu.STRUCTURED["cases"]:
         StructuredOutputsParams(**case)
     # the chunked engines really chunk the long prompts, and the reference does not
@@ -191,3 +196,69 @@ def test_server_start_reports_an_early_exit(tmp_path):
             s.start(timeout=60)
     finally:
         s.stop()
+
+
+class _FakeLLM:
+    """vllm.LLM's surface that compat_runner uses: each prompt's continuation is its length
+    repeated, the top logprobs a step name that token and the next one."""
+
+    def __init__(self, model, **engine):
+        from vllm.v1.metrics.reader import Counter
+        self.engine = engine
+        self.calls = []
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(quantization="kbit")))
+        self.metrics = [Counter(name="vllm:spec_decode_num_drafts", labels={}, value=7)]
+
+    def _out(self, prompt, sp):
+        from vllm.logprobs import Logprob
+        ids = [1, 2, 3] if not isinstance(prompt, str) else [1] + [ord(c) % 50 for c in prompt[:4]]
+        tok = [len(ids)] * sp.max_tokens
+        steps = [{t: Logprob(-0.5), t + 1: Logprob(-1.5)} for t in tok] if sp.logprobs else None
+        plp = [None] + [{i: Logprob(-1.0, rank=1)} for i in ids[1:]] if sp.prompt_logprobs else None
+        text = "abc" if sp.structured_outputs is None else json.dumps(sp.structured_outputs.choice)
+        return SimpleNamespace(prompt_token_ids=ids, num_cached_tokens=5, prompt_logprobs=plp,
+                               outputs=[SimpleNamespace(token_ids=tok, text=text, logprobs=steps, finish_reason="stop")])
+
+    def generate(self, prompts, sp, lora_request=None, use_tqdm=True):
+        self.calls.append(lora_request)
+        return [self._out(p, sp) for p in prompts]
+
+    def chat(self, messages, sp, use_tqdm=True):
+        return [self._out(m[-1]["content"], sp) for m in messages]
+
+    def get_metrics(self):
+        return self.metrics
+
+
+def test_runner_writes_what_the_gpu_tests_read(tmp_path, monkeypatch):
+    import sys
+
+    import compat_runner
+    import vllm
+
+    made = []
+    monkeypatch.setattr(vllm, "LLM", lambda model, **kw: made.append(_FakeLLM(model, **kw)) or made[-1])
+    spec = {"model": "m", "engine": {"seed": 0}, "adapters": {"A": str(tmp_path / "a"), "B": str(tmp_path / "b")},
+            "metrics": True, "jobs": [
+                {"name": "gen", "kind": "generate", "prompts": ["hello", {"prompt_token_ids": [1, 2, 3]}],
+                 "max_tokens": 3, "logprobs": 5, "passes": 2, "loras": ["B", None]},
+                {"name": "plp", "kind": "prompt_logprobs", "prompts": ["hello"]},
+                {"name": "chat", "kind": "chat", "messages": [[{"role": "user", "content": "hi"}]], "max_tokens": 2},
+                {"name": "so", "kind": "structured", "prompt": "x", "cases": [{"choice": ["a", "b"]}]}]}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    monkeypatch.setattr(sys, "argv", ["compat_runner.py", str(tmp_path / "spec.json"), str(tmp_path / "out.json")])
+    compat_runner.main()
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert made[0].engine == {"seed": 0} and out["quantization"] == "kbit"
+    lora = made[0].calls[0]
+    assert [r.lora_name if r else None for r in lora] == ["B", None] and lora[0].lora_int_id == 2
+    assert lora[0].lora_path == str(tmp_path / "b")
+    gen = out["jobs"]["gen"]["passes"]
+    assert len(gen) == 2 and gen[0][1] == {"prompt_ids": [1, 2, 3], "ids": [3, 3, 3], "text": "abc",
+                                            "steps": [{"3": -0.5, "4": -1.5}] * 3, "cached": 5}
+    assert greedy_mismatches(gen[0], gen[1], 0.0) == []
+    plp = out["jobs"]["plp"]
+    assert plp["prompt_logprobs"][0][0] is None and plp["prompt_logprobs"][0][1] == {str(ord("h") % 50): [-1.0, 1]}
+    assert len(out["jobs"]["chat"]["passes"][0][0]["ids"]) == 2
+    assert out["jobs"]["so"]["texts"] == [{"text": '["a", "b"]', "finish_reason": "stop"}]
+    assert out["metrics"] == {"vllm:spec_decode_num_drafts": 7}

@@ -59,6 +59,11 @@ STRUCTURED = {"name": "structured", "kind": "structured", "prompt": PROMPTS[0], 
                         {"json": SCHEMA, "disable_any_whitespace": True}]}
 
 
+# the server: the reference's engine (eager, no prefix caching) with a 32k context
+SERVER_ARGS = ["--dtype", "bfloat16", "--max-model-len", "32768", "--gpu-memory-utilization", "0.25",
+               "--enforce-eager", "--seed", "0", "--served-model-name", "kbit", "--no-enable-prefix-caching"]
+
+
 def _ngram_method() -> str:
     # vLLM's CPU n-gram proposer needs numba; its GPU one does not
     return "ngram" if importlib.util.find_spec("numba") else "ngram_gpu"
@@ -270,9 +275,7 @@ def test_dense_structured_output(engines):
 @pytest.fixture(scope="module")
 def server(models, engines):
     engines("llama4-eager")  # the offline reference runs first: one engine on the GPU at a time
-    s = Server(models["llama4"], ["--dtype", "bfloat16", "--max-model-len", "32768", "--gpu-memory-utilization",
-                                  "0.25", "--enforce-eager", "--seed", "0", "--served-model-name", "kbit",
-                                  "--no-enable-prefix-caching"], models["root"] / "server.log")
+    s = Server(models["llama4"], SERVER_ARGS, models["root"] / "server.log")
     try:
         s.start()
         yield s
