@@ -430,7 +430,7 @@ class KbitMoEMethod(FusedMoEMethodBase):
     def select_gemm_impl(self, prepare_finalize, layer):
         # vLLM asks for a modular experts kernel where it wraps the MoE layer: LoRA on the
         # experts (FusedMoEWithLoRA), or an all-to-all expert-parallel backend. kbit experts
-        # run in apply() only; vLLM's own message here blames a migration.
+        # run in apply() only, and vLLM's default message here speaks of its own kernel setup.
         raise ValueError(
             f"kbit MoE layer {self.prefix}: vLLM asks for a modular MoE kernel (LoRA on the experts, "
             f"or an all-to-all expert-parallel backend), which kbit experts do not provide. With "
