@@ -5,7 +5,8 @@
 # aside when run as root, restored on exit): `python3 -m vllm_kbit.check` from outside the
 # repository, and, with .vllm-bundle/activate.sh present, `vllm serve` of a random kbit model and
 # one completion through its OpenAI API. Logs go to $OUT (./out when run by hand).
-#   scripts/wheel_check.sh            (MAX_JOBS, TORCH_CUDA_ARCH_LIST as for build_wheel.sh)
+#   scripts/wheel_check.sh                 (MAX_JOBS, TORCH_CUDA_ARCH_LIST as for build_wheel.sh)
+#   WHEEL=dist/vllm_kbit-....whl scripts/wheel_check.sh   (a wheel built before: no build step)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -22,14 +23,23 @@ restore() {
     rm -rf "$WORK"
 }
 trap restore EXIT
+trap 'exit 143' TERM INT
+for d in /usr/local/cuda*.kbit-hidden; do  # a run killed before it could restore them
+    [ -e "$d" ] && mv "$d" "${d%.kbit-hidden}" && echo "restored ${d%.kbit-hidden}"
+done
 
-step "build"
-t0=$(date +%s)
-MAX_JOBS="${MAX_JOBS:-16}" bash scripts/build_wheel.sh "$WORK/dist" >"$OUT/wheel_build.log" 2>&1 \
-    || { grep -E "error|Error" "$OUT/wheel_build.log" | head -30; tail -20 "$OUT/wheel_build.log"; fail "build"; }
-tail -1 "$OUT/wheel_build.log"
-echo "build time: $(( $(date +%s) - t0 )) s"
-WHEEL="$(ls "$WORK"/dist/vllm_kbit-*.whl)"
+if [ -n "${WHEEL:-}" ]; then  # built earlier (scripts/build_wheel.sh in a call of its own)
+    WHEEL="$(cd "$(dirname "$WHEEL")" && pwd)/$(basename "$WHEEL")"
+    [ -f "$WHEEL" ] || fail "WHEEL=$WHEEL does not exist"
+else
+    step "build"
+    t0=$(date +%s)
+    MAX_JOBS="${MAX_JOBS:-16}" bash scripts/build_wheel.sh "$WORK/dist" >"$OUT/wheel_build.log" 2>&1 \
+        || { grep -E "error|Error" "$OUT/wheel_build.log" | head -30; tail -20 "$OUT/wheel_build.log"; fail "build"; }
+    tail -1 "$OUT/wheel_build.log"
+    echo "build time: $(( $(date +%s) - t0 )) s"
+    WHEEL="$(ls "$WORK"/dist/vllm_kbit-*.whl)"
+fi
 ls -l "$WHEEL"
 CUOBJDUMP="$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)"
 ( cd "$WORK" && python3 -m zipfile -e "$WHEEL" unpacked >/dev/null && \

@@ -65,8 +65,8 @@ def test_sdist_builds_a_wheel_on_its_own(sdist, tmp_path):
     wheel = pep517("build_wheel", tmp_path / top, tmp_path, {"VLLM_KBIT_NO_CUDA": "1"})
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-        entry_points = z.read(f"vllm_kbit-0.1.0.dist-info/entry_points.txt").decode()
-        metadata = z.read(f"vllm_kbit-0.1.0.dist-info/METADATA").decode()
+        entry_points = z.read("vllm_kbit-0.1.0.dist-info/entry_points.txt").decode()
+        metadata = z.read("vllm_kbit-0.1.0.dist-info/METADATA").decode()
     assert {"vllm_kbit/convert.py", "vllm_kbit/quant/plan.py", "vllm_kbit/_build_info.py"} <= names
     assert "[vllm.general_plugins]\nkbit = vllm_kbit:register" in entry_points
     assert "vllm-kbit-convert = vllm_kbit.convert:main" in entry_points
