@@ -5,7 +5,7 @@ the architectures it was built for, the GPU and the kernel paths it gets (each o
 expert kernel, run once against a float64 reference), and whether vLLM loads the plugin and
 sees the `kbit` method.
 Exit status 1 where a GPU is present but the kbit kernels are not usable on it, or where vLLM
-is installed but does not see `kbit`; 0 otherwise (a machine without a GPU runs the reference).
+is missing or does not see `kbit`; 0 otherwise (a machine without a GPU runs the reference).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def gpu_problem() -> str | None:
     """Why kbit models cannot be served on this machine's GPU, or None. For scripts that need
     one: it says what is missing before vLLM fails with a less direct error."""
     if not torch.cuda.is_available():
-        return "no CUDA GPU is visible (torch.cuda.is_available() is False); vLLM serves kbit models on NVIDIA GPUs"
+        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
     major, minor = torch.cuda.get_device_capability()
     if major < 8:
         return f"{torch.cuda.get_device_name()} is sm_{major}{minor}; the kbit kernels need sm_80 or newer"
@@ -40,7 +40,7 @@ def build_info() -> dict | None:
         from vllm_kbit import _build_info
     except ImportError:
         return None
-    return {k: getattr(_build_info, k, None) for k in ("EXTENSION", "REASON", "TORCH_CUDA_ARCH_LIST")}
+    return {k: getattr(_build_info, k, None) for k in ("EXTENSION", "REASON", "TORCH_CUDA_ARCH_LIST", "TORCH")}
 
 
 def arch_covered(arch_list: str, major: int, minor: int) -> bool:
@@ -147,7 +147,8 @@ def run(out=sys.stdout) -> int:
     if info is None:
         say("build: no vllm_kbit/_build_info.py (installed before setup.py wrote it, or from a copy)")
     elif info["EXTENSION"]:
-        say(f"build: TORCH_CUDA_ARCH_LIST={info['TORCH_CUDA_ARCH_LIST']}")
+        against = f", against torch {info['TORCH']}" if info["TORCH"] else ""
+        say(f"build: TORCH_CUDA_ARCH_LIST={info['TORCH_CUDA_ARCH_LIST']}{against}")
     else:
         say(f"build: without the CUDA extension ({info['REASON']})")
 
@@ -194,6 +195,9 @@ def run(out=sys.stdout) -> int:
     say(f"vLLM: {what}")
     if seen is False:
         problems.append(f"vLLM {what}")
+    elif seen is None:
+        problems.append("vLLM is not installed: kbit checkpoints can be converted here but not served "
+                        "(pip install vllm==0.24.0)")
 
     for p in problems:
         say(f"PROBLEM: {p}")

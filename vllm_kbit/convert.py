@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import json
 import os
 import re
@@ -104,8 +105,8 @@ class ConversionReport:
     bytes_out: int = 0   # tensor bytes written (the index's total_size)
 
     def summary(self) -> str:
-        lines = [f"kbit K={self.bits}: {len(self.quantized)} linear weights quantized, "
-                 f"{len(self.skipped)} left unquantized, {len(self.copied_files)} files copied",
+        lines = [f"kbit K={self.bits}: {_count(len(self.quantized), 'linear weight')} quantized, "
+                 f"{len(self.skipped)} left unquantized, {_count(len(self.copied_files), 'file')} copied",
                  f"  tensors: {_fmt_bytes(self.bytes_in)} -> {_fmt_bytes(self.bytes_out)} "
                  f"in {self.num_shards} shard(s)"]
         by_why: dict[str, list[str]] = {}
@@ -146,6 +147,33 @@ def parse_size(size: int | str) -> int:
     return value
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+# Whether convert() runs for the command line: its errors then name options as the CLI spells
+# them (--calib-samples), and as the Python API does (calib_samples=) otherwise.
+_FOR_CLI = contextvars.ContextVar("kbit_convert_for_cli", default=False)
+
+
+@contextlib.contextmanager
+def cli_spelling():
+    """Within it, convert()'s errors name options as the command line spells them (for scripts
+    with options of the same names, as `main` and examples/convert_hf_model.py)."""
+    token = _FOR_CLI.set(True)
+    try:
+        yield
+    finally:
+        _FOR_CLI.reset(token)
+
+
+def _opt(name: str, value: str | None = None) -> str:
+    """An option as the caller spells it: `--overwrite` / `overwrite=True`."""
+    if _FOR_CLI.get():
+        return "--" + name.replace("_", "-") + ("" if value is None else f" {value}")
+    return f"{name}={'True' if value is None else value}"
+
+
 def _fmt_bytes(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
 
@@ -172,6 +200,9 @@ def _read_config(src: Path) -> dict:
         config = json.loads(path.read_text())
     except ValueError as e:
         raise ConversionError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: expected a JSON object (a model configuration), got a "
+                              f"{type(config).__name__}")
     if "quantization_config" in config:
         method = config["quantization_config"].get("quant_method", "?")
         raise ConversionError(f"{src} is already quantized (quantization_config with quant_method "
@@ -416,26 +447,36 @@ def _check_fused_groups(linears: dict, selected: set[str]) -> None:
 # ----------------------------------------------------------------------------- checks before writing
 
 def _check_ranges(items: list[_Item], device: torch.device, progress: bool) -> None:
-    """Every weight to quantize must be finite with a block absmax within E4M4 (a larger one
-    would be clipped). Each is read once more for its max |w| (streamed, one tensor at a
-    time) so that all offenders are reported together, before anything is written."""
+    """Every floating-point tensor of SRC must be finite: NaN or Inf anywhere means a corrupt
+    source, refused whatever is ignored (a float copy would serve it). Every weight to quantize
+    must also have its block absmax within E4M4 (a larger one would be clipped). Each tensor is
+    read once more (streamed, one at a time) so that all offenders are reported together,
+    before anything is written."""
     from safetensors import safe_open
     from tqdm import tqdm
 
     bad: dict[str, str] = {}
-    todo = [it for it in items if it.quantize]
-    for it in tqdm(todo, unit="tensor", desc="kbit range check", disable=not progress, file=sys.stderr):
+    corrupt: list[str] = []
+    for it in tqdm(items, unit="tensor", desc="kbit range check", disable=not progress, file=sys.stderr):
         with safe_open(str(it.file), framework="pt") as f:
             t = f.get_tensor(it.name)
-        if t.numel() == 0:
+        if t.numel() == 0 or not t.is_floating_point():
             continue
+        if t.element_size() == 1:  # float8: aminmax has no kernel for it
+            t = t.float()
         lo, hi = torch.aminmax(t.to(device))
         top = max(-float(lo), float(hi))
         if top != top or top == float("inf"):
-            bad[it.name] = "NaN/Inf values"
-        elif top > kf.E4M4_MAX:
+            corrupt.append(it.name)
+        elif it.quantize and top > kf.E4M4_MAX:
             bad[it.name] = f"max |w| = {top:.4g}"
         del t
+    if corrupt:
+        shown = ", ".join(corrupt[:8]) + (f" and {len(corrupt) - 8} more" if len(corrupt) > 8 else "")
+        raise KbitFormatError(
+            f"{_count(len(corrupt), 'tensor')} of SRC {'holds' if len(corrupt) == 1 else 'hold'} NaN or Inf "
+            f"values: {shown}. A trained checkpoint "
+            f"has none; the source is corrupt (fetch it again, or re-export it from the training run)")
     if not bad:
         return
     modules = [name[:-len(".weight")] for name in bad]
@@ -451,7 +492,7 @@ def _check_ranges(items: list[_Item], device: torch.device, progress: bool) -> N
     ignore = list(dict.fromkeys(ignore))
     raise KbitFormatError(
         f"{len(bad)} weight(s) cannot be quantized (a block absmax above the E4M4 range, max "
-        f"{kf.E4M4_MAX}, would be clipped; NaN/Inf cannot be stored): "
+        f"{kf.E4M4_MAX}, would be clipped): "
         + "; ".join(f"{name} ({why})" for name, why in bad.items())
         + ". Keep them unquantized: " + " ".join(f"--ignore {m}" for m in ignore) + " (or rescale them)")
 
@@ -619,6 +660,52 @@ def _write_shards(items: list[_Item], out: Path, bits: int, codebook: torch.Tens
     report.num_shards = n
 
 
+# ----------------------------------------------------------------------------- argument checks
+
+def _check_calib_text(path: Path) -> None:
+    """gptq's calibration file must be plain UTF-8 text: checked before any model is loaded."""
+    opt = _opt("calib", str(path))
+    if not path.is_file():
+        raise ConversionError(f"{opt}: no such file" if not path.exists() else f"{opt}: not a file")
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+        bad = data.find(b"\0")
+    except UnicodeDecodeError as e:
+        bad = e.start
+    if bad >= 0:
+        raise ConversionError(f"{opt}: not a plain-text (UTF-8) file (byte 0x{data[bad]:02x} at offset {bad}); "
+                              f"gptq calibrates on text")
+
+
+def _check_tokenizer(src: Path) -> None:
+    """gptq turns calibration text (or the text the model samples) into tokens with SRC's tokenizer."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        transformers.AutoTokenizer.from_pretrained(src)
+    except Exception as e:  # transformers raises many kinds here: all mean "no usable tokenizer"
+        raise ConversionError(
+            f"{_opt('method', 'gptq')} needs SRC's tokenizer (tokenizer.json, or tokenizer.model with "
+            f"tokenizer_config.json, in {src}) and transformers cannot load one "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); copy the model's tokenizer files "
+            f"into {src}, or use {_opt('method', 'mse')}, which needs none") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _refuse_nothing_to_quantize(linears: dict, report: ConversionReport) -> None:
+    """A kbit checkpoint without a kbit weight is a mistake (an ignore pattern that matches
+    everything, an architecture whose linears were not found): say why each stayed float."""
+    reasons = list(dict.fromkeys(report.skipped.values()))
+    why = f": {'; '.join(reasons[:3])}" if reasons else ""
+    found = (f"of the {_count(len(linears), 'linear layer')} found, none is left to quantize{why}" if linears
+             else "no linear layer was found in the checkpoint")
+    raise ConversionError(f"nothing to quantize: {found}; a kbit checkpoint needs at least one kbit weight")
+
+
 # ----------------------------------------------------------------------------- methods
 
 def _make_plan(src: Path, items: list[_Item], bits: int, cb: torch.Tensor, device: torch.device,
@@ -669,11 +756,14 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     kf.check_bits(bits)
     cb = default_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
     if method not in METHODS:
-        raise ConversionError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        raise ConversionError(f"{_opt('method', repr(method))}: must be one of {', '.join(METHODS)}")
     if calib_samples < 1:
-        raise ConversionError(f"calib_samples must be at least 1, got {calib_samples}")
+        raise ConversionError(f"{_opt('calib_samples', str(calib_samples))}: must be at least 1")
     if calib is not None and method != "gptq":
-        raise ConversionError(f"--calib is only used by --method gptq (got --method {method})")
+        raise ConversionError(f"{_opt('calib', str(calib))} is only used by {_opt('method', 'gptq')} "
+                              f"(got {_opt('method', method)})")
+    if calib is not None:
+        _check_calib_text(Path(calib))
     shard_limit = parse_size(max_shard_size)
     user_ignore = [ignore] if isinstance(ignore, str) else list(ignore)
     for p in user_ignore:
@@ -681,13 +771,13 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
             try:
                 re.compile(p[3:])
             except re.error as e:
-                raise ConversionError(f"bad ignore regex {p!r}: {e}") from None
+                raise ConversionError(f"{_opt('ignore', repr(p))}: bad regex ({e})") from None
     try:
         dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, ValueError) as e:
-        raise ConversionError(f"bad device {device!r}: {e}") from None
+        raise ConversionError(f"{_opt('device', repr(device))}: not a device ({e})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConversionError("device cuda requested but CUDA is not available")
+        raise ConversionError(f"{_opt('device', 'cuda')}: CUDA is not available on this machine")
 
     src, dst = Path(src), Path(dst)
     config = _read_config(src)
@@ -695,7 +785,9 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     if dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents:
         raise ConversionError(f"DST {dst} would replace SRC {src}; choose another DST")
     if (dst.exists() or dst.is_symlink()) and not overwrite:
-        raise ConversionError(f"DST {dst} already exists; use --overwrite (overwrite=True) to replace it")
+        raise ConversionError(f"DST {dst} already exists; use {_opt('overwrite')} to replace it")
+    if method == "gptq":
+        _check_tokenizer(src)
 
     report = ConversionReport(src=str(src), dst=str(dst), bits=bits)
     headers = {f: _header(f) for f in files}
@@ -726,6 +818,8 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     for p in user_ignore:
         if p not in used:
             _note(f"ignore pattern {p!r} matches no linear layer")
+    if not to_quantize:
+        _refuse_nothing_to_quantize(linears, report)
 
     items = []
     for f, h in headers.items():
@@ -826,11 +920,12 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         codebook = _load_codebook(args.codebook) if args.codebook is not None else None
-        report = convert(args.src, args.dst, args.bits, ignore=args.ignore, codebook=codebook,
-                         overwrite=args.overwrite, device=args.device, max_shard_size=args.max_shard_size,
-                         quantize_lm_head=args.quantize_lm_head, method=args.method, calib=args.calib,
-                         calib_samples=args.calib_samples,
-                         fit_codebook=args.fit_codebook)
+        with cli_spelling():
+            report = convert(args.src, args.dst, args.bits, ignore=args.ignore, codebook=codebook,
+                             overwrite=args.overwrite, device=args.device, max_shard_size=args.max_shard_size,
+                             quantize_lm_head=args.quantize_lm_head, method=args.method, calib=args.calib,
+                             calib_samples=args.calib_samples,
+                             fit_codebook=args.fit_codebook)
     except (*CLI_ERRORS, KeyboardInterrupt) as e:
         return cli_error(e)
     print(report.summary())

@@ -71,7 +71,9 @@ class Plan:
         """Load SRC with transformers, calibrate and quantize every selected decoder linear."""
         import transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype="auto").eval()
+        # use_kernels=False: transformers releases that default to Hub kernels stop here without
+        # the `kernels` package, and calibration needs the plain PyTorch modules anyway
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype="auto", use_kernels=False).eval()
         batches = calibration_batches(model, src, calib, samples, seqlen, self.device, progress)
         dev = self.device
 
@@ -119,7 +121,8 @@ def calibration_batches(model, src: Path, calib: str | None, samples: int, seqle
         path = Path(calib)
         if not path.is_file():
             raise calibrate.CalibrationError(f"--calib {calib}: no such file")
-        ids = tok(path.read_text(errors="replace"), return_tensors="pt").input_ids[0]
+        # verbose=False: the file is cut into seqlen windows below, so its length is no problem
+        ids = tok(path.read_text(errors="replace"), return_tensors="pt", verbose=False).input_ids[0]
         n = min(samples, ids.numel() // seqlen)
         if n == 0:
             raise calibrate.CalibrationError(f"--calib {calib}: fewer than {seqlen} tokens")
@@ -129,16 +132,23 @@ def calibration_batches(model, src: Path, calib: str | None, samples: int, seqle
     bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
     _note(f"no --calib file: sampling {samples} x {seqlen} calibration tokens from the model")
     model.to(device)
+    from tqdm import tqdm
+
     out, batch = [], 16
     gen = torch.Generator(device="cpu").manual_seed(0)
+    bar = tqdm(total=samples, unit="window", desc="gptq sampling", disable=not progress, file=sys.stderr)
     try:
         for s in range(0, samples, batch):
             b = min(batch, samples - s)
             torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
-            ids = model.generate(torch.full((b, 1), bos, device=device), do_sample=True, top_k=0,
+            start = torch.full((b, 1), bos, device=device)
+            # the explicit mask says the BOS column is a token, not right padding (pad_token_id is BOS)
+            ids = model.generate(start, attention_mask=torch.ones_like(start), do_sample=True, top_k=0,
                                  top_p=1.0, max_new_tokens=seqlen - 1, min_new_tokens=seqlen - 1,
                                  pad_token_id=bos)
             out += [ids[i:i + 1, :seqlen].cpu() for i in range(b)]
+            bar.update(b)
     finally:
+        bar.close()
         model.to("cpu")
     return out
