@@ -87,7 +87,7 @@ def make_experts(num_experts, n, k, bits, device, seed):
     qs, as_ = [], []
     for e in range(num_experts):
         w = torch.randn(n, k, generator=g, device=device) * (0.02 * (1 + e % 5))
-        q, a, _ = ops.quantize(w, bits)
+        q, a, _ = ops.quantize(w, bits, cb)
         qs.append(q)
         as_.append(a)
     qweight, absmax = torch.stack(qs), torch.stack(as_)

@@ -127,7 +127,7 @@ def test_quantize_bit_exact(bits, dtype):
     assert torch.equal(a, a_ref)
     assert torch.equal(q, q_ref)
     # through the public wrapper (checks + underflow count) as well
-    q2, a2, _ = ops.quantize(w, bits)
+    q2, a2, _ = ops.quantize(w, bits, cb)
     assert torch.equal(q2, q_ref) and torch.equal(a2, a_ref)
 
 

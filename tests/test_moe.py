@@ -28,8 +28,9 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noq
 from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod  # noqa: E402
 
 from vllm_kbit.config import KbitConfig  # noqa: E402
-from vllm_kbit.moe import (KbitExperts, KbitMoEMethod, align_block_size, align_block_size_torch,  # noqa: E402
-                           dense_expert_maps, experts_forward, repack_experts)
+from vllm_kbit.moe import (KbitExperts, KbitMoEMethod, align_block_size, dense_expert_maps,  # noqa: E402
+                           experts_forward, repack_experts)
+from vllm_kbit.moe_cpu import align_block_size_torch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
@@ -102,7 +103,7 @@ def test_moe_gemm_equals_float64_pair_loop(case, bits, dtype):
     assert (sorted_ids == m * top_k).any(), "the layout must contain padding ids"
     packed, absmax = repack_experts(q.to(DEVICE), a.to(DEVICE), bits)
     x = torch.randn(m, k, generator=gen).to(dtype)
-    cb = kf.normal_float_codebook(bits).to(DEVICE)
+    cb = kf.default_codebook(bits).to(DEVICE)
     dev = {t: t.to(DEVICE) for t in (sorted_ids, expert_ids, num_post)}
     for tw in (None, weights):
         y = torch.ops.kbit.moe_gemm(x.to(DEVICE), packed, absmax, cb, bits, n, k, dev[sorted_ids], dev[expert_ids],
@@ -123,7 +124,7 @@ def test_moe_gemm_skips_blocks_past_num_tokens_post_padded():
     cut = torch.tensor([last], dtype=torch.int32)
     packed, absmax = repack_experts(q.to(DEVICE), a.to(DEVICE), 4)
     x = torch.randn(6, 64, generator=gen).to(torch.bfloat16)
-    y = torch.ops.kbit.moe_gemm(x.to(DEVICE), packed, absmax, kf.normal_float_codebook(4).to(DEVICE), 4, 64, 64,
+    y = torch.ops.kbit.moe_gemm(x.to(DEVICE), packed, absmax, kf.default_codebook(4).to(DEVICE), 4, 64, 64,
                      sorted_ids.to(DEVICE), expert_ids.to(DEVICE), cut.to(DEVICE), 4, 1).cpu()
     gone = sorted_ids[last:last + 4]
     gone = gone[gone < 6].long()
@@ -140,11 +141,11 @@ def test_dequantize_experts(bits, dtype):
     gen = torch.Generator().manual_seed(100 + bits)
     q, a, w = random_experts(5, 96, 64, bits, gen)
     packed, absmax = repack_experts(q.to(DEVICE), a.to(DEVICE), bits)
-    cb = kf.normal_float_codebook(bits).to(DEVICE)
+    cb = kf.default_codebook(bits).to(DEVICE)
     out = torch.ops.kbit.dequantize_experts(packed, absmax, cb, bits, 96, 64, dtype)
     assert out.shape == (5, 96, 64) and out.dtype == dtype
     # the codebook value times the scale in float32, rounded to dtype: exactly format.dequantize
-    want = torch.stack([kf.dequantize(q[e], a[e], bits, dtype=dtype) for e in range(5)])
+    want = torch.stack([kf.dequantize(q[e], a[e], bits, cb.cpu(), dtype=dtype) for e in range(5)])
     assert torch.equal(out.cpu(), want)
     assert (out.cpu().double() - w).abs().max() <= w.abs().max() * 2.0 ** -7
     part = torch.ops.kbit.dequantize_experts(packed[1:4], absmax[1:4], cb, bits, 96, 64, dtype)  # a chunk of experts
@@ -155,7 +156,7 @@ def test_op_fake_impls_and_reference_errors():
     gen = torch.Generator().manual_seed(2)
     q, a, _ = random_experts(3, 64, 64, 3, gen)
     packed, absmax = repack_experts(q.to(DEVICE), a.to(DEVICE), 3)
-    cb = kf.normal_float_codebook(3).to(DEVICE)
+    cb = kf.default_codebook(3).to(DEVICE)
     _, ids = routing(5, 3, 2, gen)
     s, e, p = (t.to(DEVICE) for t in align_block_size_torch(ids, 16, 3))
     x = torch.randn(5, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -215,7 +216,7 @@ def make_experts(num, hidden, inter, bits, gen, activation=MoEActivation.SILU, e
     p13, b13 = repack_experts(q13.to(DEVICE), a13.to(DEVICE), bits)
     p2, b2 = repack_experts(q2.to(DEVICE), a2.to(DEVICE), bits)
     global_e = num if expert_map is None else expert_map.numel()
-    ex = KbitExperts(p13, b13, p2, b2, kf.normal_float_codebook(bits).to(DEVICE), bits, hidden, inter, gated,
+    ex = KbitExperts(p13, b13, p2, b2, kf.default_codebook(bits).to(DEVICE), bits, hidden, inter, gated,
                      activation, global_e, None if expert_map is None else expert_map.to(DEVICE))
     if dense_chunk:
         ex.dense_chunk = dense_chunk
@@ -297,7 +298,7 @@ SHARDS = (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))
 
 
 def make_config(bits, ignore=(), **extra):
-    return KbitConfig.from_config({"quant_method": "kbit", "bits": bits, "codebook": kf.normal_float_codebook(bits).tolist(),
+    return KbitConfig.from_config({"quant_method": "kbit", "bits": bits, "codebook": kf.default_codebook(bits).tolist(),
                                    "ignore": list(ignore), **extra})
 
 

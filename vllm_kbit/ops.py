@@ -244,10 +244,11 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: 
 
 def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = None,
              name: str = "weight") -> tuple[torch.Tensor, torch.Tensor, int]:
-    """W[N, K] -> (qweight, absmax, underflow_blocks) in the checkpoint layout, on the weight's
+    """W[N, K] -> (qweight, absmax, underflow_blocks) in the checkpoint layout, with `codebook`
+    (default: format.default_codebook, nf0, as every entry point that quantizes) on the weight's
     device (the CUDA kernel where built, else the reference). Bad input raises
     KbitFormatError naming `name` (see format.check_quantizable)."""
-    cb = kf.normal_float_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
+    cb = kf.default_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
     underflow = kf.check_quantizable(weight, name)
     if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         weight = weight.float()  # e.g. float64: the kernels take 16/32-bit floats
