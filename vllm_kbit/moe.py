@@ -8,7 +8,11 @@ N13 = 2I for gated activations, else I), checkpoint layout as a linear layer's:
 loaded from the per-expert checkpoint tensors `...experts.{e}.{gate,up,down}_proj.{qweight,absmax}`
 (Mixtral: w1 / w3 / w2) through vLLM's own expert loader, which shards w13 by rows and w2 along
 I (whole 32-blocks per rank, checked). After loading, each expert is repacked (repack_experts)
-into the stacked layout of kbit::moe_gemm.
+into the stacked layout of kbit::moe_gemm. With quantization_config.codebook_per_layer
+(convert --fit-codebook), every expert also carries its own codebooks
+  w13_codebook float32 [E, 2^bits] (`gate_proj` / `up_proj`: one shared, as fitted per fused pair)
+  w2_codebook  float32 [E, 2^bits] (`down_proj`)
+from `...experts.{e}.{proj}.codebook`, and the MoE ops decode expert e with row e.
 
 Forward (`experts_forward`), vLLM's fused_moe recipe with kbit GEMMs:
   small batches: moe_align_block_size -> kbit::moe_gemm (w13) -> activation -> kbit::moe_gemm
@@ -58,7 +62,7 @@ class KbitExperts:
     w13_absmax: torch.Tensor
     w2: torch.Tensor
     w2_absmax: torch.Tensor
-    codebook: torch.Tensor     # float32 [2^bits], on the weights' device
+    codebook: torch.Tensor     # float32 [2^bits] (all experts) or [E, 2^bits] (w13's, per expert), on the weights' device
     bits: int
     hidden: int                # H
     inter: int                 # I (per rank)
@@ -68,6 +72,11 @@ class KbitExperts:
     expert_map: torch.Tensor | None = None    # int32 [global] -> local id or -1 (expert parallel)
     dense_maps: list[torch.Tensor] | None = None  # per chunk of dense_chunk experts: global -> chunk id
     dense_chunk: int = 0
+    w2_codebook: torch.Tensor | None = None   # float32 [E, 2^bits]: w2's, per expert; None: `codebook`
+
+    @property
+    def w2_codebooks(self) -> torch.Tensor:
+        return self.codebook if self.w2_codebook is None else self.w2_codebook
 
     @property
     def num_experts(self) -> int:
@@ -153,7 +162,7 @@ def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor
     h = torch.ops.kbit.moe_gemm(x, ex.w13, ex.w13_absmax, ex.codebook, ex.bits, ex.n13, ex.hidden,
                                 sorted_ids, expert_ids, num_post, block_m, top_k)
     a = moe_activation(ex.activation, h)
-    y = torch.ops.kbit.moe_gemm(a, ex.w2, ex.w2_absmax, ex.codebook, ex.bits, ex.hidden, ex.inter,
+    y = torch.ops.kbit.moe_gemm(a, ex.w2, ex.w2_absmax, ex.w2_codebooks, ex.bits, ex.hidden, ex.inter,
                                 sorted_ids, expert_ids, num_post, block_m, 1,
                                 None if apply_router_weight_on_input else topk_weights)
     return moe_sum(y.view(m, top_k, ex.hidden))
@@ -169,9 +178,10 @@ def _forward_dense(ex, x, topk_weights, topk_ids, apply_router_weight_on_input):
     out = None
     for c, chunk_map in enumerate(maps):
         e0, e1 = c * chunk, min(ex.num_experts, (c + 1) * chunk)
-        w13 = torch.ops.kbit.dequantize_experts(ex.w13[e0:e1], ex.w13_absmax[e0:e1], ex.codebook, ex.bits,
+        cb13, cb2 = (cb if cb.dim() == 1 else cb[e0:e1] for cb in (ex.codebook, ex.w2_codebooks))
+        w13 = torch.ops.kbit.dequantize_experts(ex.w13[e0:e1], ex.w13_absmax[e0:e1], cb13, ex.bits,
                                                 ex.n13, ex.hidden, x.dtype)
-        w2 = torch.ops.kbit.dequantize_experts(ex.w2[e0:e1], ex.w2_absmax[e0:e1], ex.codebook, ex.bits,
+        w2 = torch.ops.kbit.dequantize_experts(ex.w2[e0:e1], ex.w2_absmax[e0:e1], cb2, ex.bits,
                                                ex.hidden, ex.inter, x.dtype)
         if x.is_cuda:
             from vllm.model_executor.layers.fused_moe import fused_experts
@@ -246,6 +256,38 @@ class KbitMoEMethod(FusedMoEMethodBase):
             layer.register_parameter(name, p)
             check_dtype = None if layer.kbit_mode == "online" else dtype
             set_weight_attrs(p, {"weight_loader": self._checked_loader(layer, name, loader, check_dtype, cols)})
+        if self.config.codebook_per_layer and layer.kbit_mode == "checkpoint":
+            for name in ("w13_codebook", "w2_codebook"):
+                p = torch.nn.Parameter(torch.empty(num_experts, 1 << bits, dtype=torch.float32), requires_grad=False)
+                layer.register_parameter(name, p)
+                set_weight_attrs(p, {"weight_loader": self._codebook_loader(layer, name)})
+
+    def _codebook_loader(self, layer, name):
+        """Loads expert e's `...experts.{e}.{proj}.codebook` into row e (local id) of `name`. The
+        gate and up projections of an expert are one kernel call with one codebook, so they must
+        carry equal ones (convert --fit-codebook fits one per fused pair)."""
+
+        def load(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+            full = f"{self.prefix}.{expert_id}.{shard_id}.codebook"
+            try:
+                cb = kf.check_codebook(loaded_weight, self.config.bits)
+            except kf.KbitFormatError as e:
+                raise ValueError(f"kbit: {full} ({weight_name}): {e}") from None
+            local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+            if local < 0:  # another rank's expert (expert parallel)
+                return False if return_success else None
+            seen = layer.kbit_loaded.setdefault(name, set())
+            if any(e == expert_id for e, _ in seen) and not torch.equal(param.data[local].cpu(), cb):
+                raise ValueError(
+                    f"kbit: {full} ({weight_name}) differs from the codebook of the other projection of "
+                    f"expert {expert_id} in {self.prefix}: vLLM runs gate_proj and up_proj (w1 / w3) as one "
+                    f"fused layer with one codebook per expert (convert --fit-codebook fits one per pair)")
+            param.data[local].copy_(cb)
+            seen.add((expert_id, shard_id))
+            return True if return_success else None
+
+        load.supports_moe_loading = True
+        return load
 
     def _checked_loader(self, layer, name, loader, dtype, cols):
         """vLLM's expert loader after checks that name the tensor, recording which (expert, shard)
@@ -304,6 +346,12 @@ class KbitMoEMethod(FusedMoEMethodBase):
                 self._check_all_loaded(layer, ("w13_qweight", "w13_absmax", "w2_qweight", "w2_absmax"))
             tensors = {w: (getattr(layer, f"{w}_qweight").data, getattr(layer, f"{w}_absmax").data)
                        for w in ("w13", "w2")}
+        per_expert = {}
+        if hasattr(layer, "w13_codebook"):  # quantization_config.codebook_per_layer
+            self._check_all_loaded(layer, ("w13_codebook", "w2_codebook"))
+            for w in ("w13", "w2"):
+                per_expert[w] = getattr(layer, f"{w}_codebook").data.float()
+                delattr(layer, f"{w}_codebook")
         for w, (q, a) in tensors.items():
             packed, absmax = repack_experts(q, a, bits)
             for name, t in ((f"{w}_qweight", packed), (f"{w}_absmax", absmax)):
@@ -313,7 +361,9 @@ class KbitMoEMethod(FusedMoEMethodBase):
                 else:
                     layer.register_parameter(name, param)
         device = layer.w13_qweight.device
-        layer.register_buffer("kbit_codebook", cb.to(device), persistent=False)
+        layer.register_buffer("kbit_codebook", per_expert.get("w13", cb).to(device), persistent=False)
+        layer.register_buffer("kbit_w2_codebook", per_expert["w2"].to(device) if per_expert else None,
+                              persistent=False)
         hid, inter, gated = layer.kbit_dims
         layer.kbit_dense_chunk = dense_chunk_size(hid, (2 if gated else 1) * inter, inter)
         layer.kbit_dense_maps = dense_expert_maps(layer.expert_map, layer.global_num_experts,
@@ -333,7 +383,8 @@ class KbitMoEMethod(FusedMoEMethodBase):
                            w2_absmax=layer.w2_absmax, codebook=layer.kbit_codebook, bits=self.config.bits,
                            hidden=hid, inter=inter, gated=gated, activation=layer.activation,
                            global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
-                           dense_maps=layer.kbit_dense_maps, dense_chunk=layer.kbit_dense_chunk)
+                           dense_maps=layer.kbit_dense_maps, dense_chunk=layer.kbit_dense_chunk,
+                           w2_codebook=layer.kbit_w2_codebook)
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         # the MoE runner runs the shared experts itself (this method has no modular kernel)
