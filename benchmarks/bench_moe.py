@@ -173,8 +173,8 @@ def main() -> int:
         for bits in [int(b) for b in args.bits.split(",")]:
             ex = kbit_experts(shape, bits, gen, per_expert_codebooks=args.codebooks == "per-expert")
             cb_tag = "_cb_per_expert" if args.codebooks == "per-expert" else ""
-            methods = {f"kbit{bits}_{p}{cb_tag}": (lambda p: lambda x, tw, tid: experts_forward(ex, x, tw, tid, path=p))(p)
-                       for p in paths}
+            methods = {f"kbit{bits}_{p}{cb_tag}":
+                       (lambda p: lambda x, tw, tid: experts_forward(ex, x, tw, tid, path=p))(p) for p in paths}
             if args.check:
                 w13, w2 = dequantized(ex)
                 for m, (x, tw, tid) in inputs.items():

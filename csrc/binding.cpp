@@ -486,7 +486,8 @@ at::Tensor dequantize_experts(const at::Tensor& packed, const at::Tensor& absmax
   at::Tensor w = at::empty({experts, n, k}, packed.options().dtype(dtype));
   check_cuda(launch_dequantize_experts(to_dtype(dtype), reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
                                        absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(), cb_stride,
-                                       w.data_ptr(), int(experts), int(n), int(k), int(bits), at::cuda::getCurrentCUDAStream()),
+                                       w.data_ptr(), int(experts), int(n), int(k), int(bits),
+                                       at::cuda::getCurrentCUDAStream()),
              "dequantize_experts");
   return w;
 }

@@ -78,7 +78,8 @@ def _check_gemm(n, k, bits, dtype, m, path=PATH_AUTO, bias=False, splits=0, seed
         y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, b, path, splits)
     assert y.shape == (m, n) and y.dtype == dtype
     assert torch.isfinite(y).all(), f"non-finite output (unwritten?) n={n} k={k} bits={bits} m={m} path={path}"
-    kc.assert_close(y, kc.matmul(x, w64, b), dtype, f"n={n} k={k} bits={bits} {dtype} m={m} path={path} splits={splits}")
+    kc.assert_close(y, kc.matmul(x, w64, b), dtype,
+                    f"n={n} k={k} bits={bits} {dtype} m={m} path={path} splits={splits}")
     return x, y
 
 

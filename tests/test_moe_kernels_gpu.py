@@ -8,8 +8,9 @@ pure-torch equivalent in moe_cases (whose tail past num_tokens_post_padded holds
 and a wrong expert, which the kernel must not read). References:
   * moe_gemm: float64 x[p // top_k] @ W_e^T (* topk_weights[p]) computed from the routing
     itself; every element of a covered row within the bound of tests/kernel_check.py (derived
-    from the dtype and K; one wrong block fails it); rows whose expert is off this rank exactly 0; every output finite. The caching allocator's blocks are
-    NaN-filled before each call, so a row the op leaves unwritten shows up.
+    from the dtype and K; one wrong block fails it); rows whose expert is off this rank exactly
+    0; every output finite. The caching allocator's blocks are NaN-filled before each call, so
+    a row the op leaves unwritten shows up.
   * dequantize_experts: bit-exact against format.dequantize of each expert.
 """
 import functools

@@ -62,7 +62,7 @@ class KbitExperts:
     w13_absmax: torch.Tensor
     w2: torch.Tensor
     w2_absmax: torch.Tensor
-    codebook: torch.Tensor     # float32 [2^bits] (all experts) or [E, 2^bits] (w13's, per expert), on the weights' device
+    codebook: torch.Tensor     # float32 [2^bits] (all experts) or [E, 2^bits] (w13's per expert), on their device
     bits: int
     hidden: int                # H
     inter: int                 # I (per rank)

@@ -48,7 +48,8 @@ template <typename T> __device__ __forceinline__ typename DqPair<T>::type dq_pai
 template <> __device__ __forceinline__ float2 dq_pair<float>(float a, float b) { return make_float2(a, b); }
 
 // kStacked: stacked MoE experts (launch_dequantize_experts), expert blockIdx.y's layout, output
-// and codebook at the given strides (codebook_stride 0: one shared); its own instantiation, so the single-weight kernel keeps its code
+// and codebook at the given strides (codebook_stride 0: one shared); its own instantiation, so
+// the single-weight kernel keeps its code
 // and registers (the offsets cost it up to 14 registers, sm_90a).
 template <typename T, int BITS, bool kStacked>
 __global__ void __launch_bounds__(kDqWarps * 32) dequant_kernel(const uint32_t* __restrict__ packed,
@@ -158,14 +159,18 @@ template <typename T, bool kStacked>
 cudaError_t launch_dequant_t(const uint32_t* packed, const uint8_t* absmax, const float* codebook, int cb_stride, T* w,
                              int n_begin, int n_end, int k, int bits, int experts, cudaStream_t stream) {
   switch (bits) {
-    case 2: return launch_dequant_bits<T, 2, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
-                                                           stream);
-    case 3: return launch_dequant_bits<T, 3, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
-                                                           stream);
-    case 4: return launch_dequant_bits<T, 4, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
-                                                           stream);
-    case 5: return launch_dequant_bits<T, 5, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
-                                                           stream);
+    case 2:
+      return launch_dequant_bits<T, 2, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
+                                                  stream);
+    case 3:
+      return launch_dequant_bits<T, 3, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
+                                                  stream);
+    case 4:
+      return launch_dequant_bits<T, 4, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
+                                                  stream);
+    case 5:
+      return launch_dequant_bits<T, 5, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
+                                                  stream);
     default: return cudaErrorInvalidValue;
   }
 }
