@@ -39,6 +39,10 @@ for bits in (2, 3, 4, 5):
             ref = mc.moe_expected(x, ids, weights, w64, top_k, expert_map)
             ok &= bool(torch.isfinite(y).all()) and bool((y[off] == 0).all())
             ok &= kc.compare(y, ref, dtype) is None
+            # one codebook per expert (here all equal): the same bits as the shared one
+            per_expert = cb.expand(packed.shape[0], -1).contiguous()
+            ok &= torch.equal(y, torch.ops.kbit.moe_gemm(x, packed, ap, per_expert, bits, n, k, sorted_ids,
+                                                         expert_ids, ntpp, block_m, top_k, weights))
             x2 = torch.randn(m * top_k, k, device=dev).to(dtype)  # the down projection's call
             y2 = torch.ops.kbit.moe_gemm(x2, packed, ap, cb, bits, n, k, sorted_ids, expert_ids, ntpp, block_m, 1,
                                          None)
@@ -46,6 +50,8 @@ for bits in (2, 3, 4, 5):
             ok &= bool((y2[off] == 0).all()) and kc.compare(y2, ref2, dtype) is None
         w = torch.ops.kbit.dequantize_experts(packed, ap, cb, bits, n, k, dtype)
         ok &= all(torch.equal(w[e], kf.dequantize(qweight[e], absmax[e], bits, cb, dtype=dtype)) for e in range(4))
+        ok &= torch.equal(w, torch.ops.kbit.dequantize_experts(packed, ap, cb.expand(4, -1).contiguous(), bits, n, k,
+                                                               dtype))
     print(f"bits={bits}: {'ok' if ok else 'FAIL'}", flush=True)
 torch.cuda.synchronize()
 print("sanitize_moe:", "PASS" if ok else "FAIL")
