@@ -394,12 +394,11 @@ at::Tensor dequantize_tiled(const at::Tensor& packed, const at::Tensor& absmax, 
 
 // Stacked tiled experts: packed int32 [E, units * bits * 128], absmax uint8 [E, units * 128]
 // (row e = kbit::repack of expert e). Returns E.
-int64_t check_experts(const char* op, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
-                      int64_t bits, int64_t n, int64_t k, const at::Tensor& ref) {
+int64_t check_experts(const char* op, const at::Tensor& packed, const at::Tensor& absmax, int64_t bits, int64_t n,
+                      int64_t k, const at::Tensor& ref) {
   check_bits(bits);
   check_tensor(packed, "packed", at::kInt, ref);
   check_tensor(absmax, "absmax", at::kByte, ref);
-  check_codebook(codebook, bits, ref);
   TORCH_CHECK(k > 0 && k % kBlockSize == 0, msg("kbit::", op, ": k = ", k, " must be a positive multiple of 32"));
   TORCH_CHECK(n > 0, msg("kbit::", op, ": n must be positive"));
   TORCH_CHECK(n <= int64_t(65535) * kUnit && k < (int64_t(1) << 31), msg("kbit::", op, ": expert weight too large"));
@@ -416,6 +415,18 @@ int64_t check_experts(const char* op, const at::Tensor& packed, const at::Tensor
   return e;
 }
 
+// The experts' codebook: float32 [2^bits], one for all E experts, or [E, 2^bits], one per
+// expert (convert --fit-codebook). Returns the launchers' codebook stride: 0 or 2^bits.
+int check_expert_codebook(const char* op, const at::Tensor& codebook, int64_t bits, int64_t e, const at::Tensor& ref) {
+  check_tensor(codebook, "codebook", at::kFloat, ref);
+  const int64_t entries = int64_t(1) << bits;
+  const bool shared = codebook.dim() == 1 && codebook.size(0) == entries;
+  const bool per_expert = codebook.dim() == 2 && codebook.size(0) == e && codebook.size(1) == entries;
+  TORCH_CHECK(shared || per_expert, msg("kbit::", op, ": codebook has shape ", codebook.sizes(), "; bits=", bits,
+              " needs [", entries, "] (one for all experts) or [E = ", e, ", ", entries, "] (one per expert)"));
+  return per_expert ? int(entries) : 0;
+}
+
 void check_index(const char* op, const at::Tensor& t, const char* name, const at::Tensor& ref) {
   check_tensor(t, name, at::kInt, ref, /*align=*/4);
   TORCH_CHECK(t.dim() == 1, msg("kbit::", op, ": ", name, " must be 1-D, got ", t.sizes()));
@@ -430,7 +441,8 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Ten
               msg("kbit::moe_gemm: x must be float16 or bfloat16, got ", x.scalar_type()));
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, msg("kbit::moe_gemm: x must be [T, k = ", k, "], got ", x.sizes()));
   check_tensor(x, "x", x.scalar_type(), x);
-  const int64_t experts = check_experts("moe_gemm", packed, absmax, codebook, bits, n, k, x);
+  const int64_t experts = check_experts("moe_gemm", packed, absmax, bits, n, k, x);
+  const int cb_stride = check_expert_codebook("moe_gemm", codebook, bits, experts, x);
   check_index("moe_gemm", sorted_token_ids, "sorted_token_ids", x);
   check_index("moe_gemm", expert_ids, "expert_ids", x);
   check_index("moe_gemm", num_tokens_post_padded, "num_tokens_post_padded", x);
@@ -455,7 +467,7 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   at::Tensor y = at::empty({num_pairs, n}, x.options());
   check_cuda(launch_moe_gemm(to_dtype(x.scalar_type()), x.data_ptr(),
                              reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), absmax.data_ptr<uint8_t>(),
-                             codebook.data_ptr<float>(), sorted_token_ids.data_ptr<int32_t>(),
+                             codebook.data_ptr<float>(), cb_stride, sorted_token_ids.data_ptr<int32_t>(),
                              expert_ids.data_ptr<int32_t>(), num_tokens_post_padded.data_ptr<int32_t>(), weights,
                              y.data_ptr(), int(experts), int(num_pairs), int(num_sorted), int(block_m), int(top_k),
                              int(n), int(k), int(bits), at::cuda::getCurrentCUDAStream()),
@@ -466,14 +478,16 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Ten
 at::Tensor dequantize_experts(const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
                               int64_t bits, int64_t n, int64_t k, at::ScalarType dtype) {
   TORCH_CHECK(packed.is_cuda(), msg("kbit::dequantize_experts: packed must be a CUDA tensor"));
-  const int64_t experts = check_experts("dequantize_experts", packed, absmax, codebook, bits, n, k, packed);
+  const int64_t experts = check_experts("dequantize_experts", packed, absmax, bits, n, k, packed);
+  const int cb_stride = check_expert_codebook("dequantize_experts", codebook, bits, experts, packed);
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
               msg("kbit::dequantize_experts: dtype must be float16, bfloat16 or float32, got ", dtype));
   const c10::cuda::CUDAGuard guard(packed.device());
   at::Tensor w = at::empty({experts, n, k}, packed.options().dtype(dtype));
   check_cuda(launch_dequantize_experts(to_dtype(dtype), reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
-                                       absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(), w.data_ptr(),
-                                       int(experts), int(n), int(k), int(bits), at::cuda::getCurrentCUDAStream()),
+                                       absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(), cb_stride,
+                                       w.data_ptr(), int(experts), int(n), int(k), int(bits),
+                                       at::cuda::getCurrentCUDAStream()),
              "dequantize_experts");
   return w;
 }

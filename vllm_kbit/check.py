@@ -68,9 +68,9 @@ def _self_test(name: str, path: int, m: int) -> str:
 
     n, k, bits = 256, 512, 4
     w = torch.randn(n, k, device="cuda") * 0.02
-    q, a, _ = ops.quantize(w.to(torch.bfloat16), bits)
+    cb = kf.default_codebook(bits, "cuda")
+    q, a, _ = ops.quantize(w.to(torch.bfloat16), bits, cb)
     packed, absmax = ops.repack(q, a, bits)
-    cb = kf.normal_float_codebook(bits).cuda()
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, path)
     torch.cuda.synchronize()
@@ -88,12 +88,12 @@ def _moe_self_test() -> str:
     from vllm_kbit import ops
 
     experts, n, k, bits, m, top_k = 4, 128, 256, 4, 2, 2
-    q, a = zip(*[ops.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), bits)[:2]
+    cb = kf.default_codebook(bits, "cuda")
+    q, a = zip(*[ops.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), bits, cb)[:2]
                  for _ in range(experts)])
     tiles = [ops.repack(q[e], a[e], bits) for e in range(experts)]
     packed = torch.stack([p.reshape(-1) for p, _ in tiles])
     absmax = torch.stack([t.reshape(-1) for _, t in tiles])
-    cb = kf.normal_float_codebook(bits).cuda()
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     ids = [0, 2, 3, 2]  # pair p = token p // top_k, expert ids[p]
     on = dict(dtype=torch.int32, device="cuda")

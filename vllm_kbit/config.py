@@ -17,7 +17,6 @@ from vllm.model_executor.layers.quantization.compressed_tensors.utils import sho
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from vllm_kbit import format as kf
-from vllm_kbit.quant.codebooks import default_codebook
 
 # MoE routers: always float, whatever the ignore list (as convert leaves them)
 ROUTER_RE = re.compile(kf.ROUTER_PATTERN[len("re:"):])
@@ -53,8 +52,8 @@ class KbitConfig(QuantizationConfig):
                 self.codebook = kf.check_codebook(codebook, bits)
             elif from_checkpoint:  # a checkpoint without its codebook predates nf0: it used NF
                 self.codebook = kf.normal_float_codebook(bits)
-            else:  # quantizing at load time: the converter's default codebook
-                self.codebook = default_codebook(bits)
+            else:  # quantizing at load time: the default of every entry point that quantizes
+                self.codebook = kf.default_codebook(bits)
         except kf.KbitFormatError as e:
             raise ValueError(f"kbit quantization_config: {e}") from None
         self.ignore = list(ignore or [])

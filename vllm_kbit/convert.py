@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from vllm_kbit import format as kf
-from vllm_kbit.format import ROUTER_PATTERN, KbitFormatError
+from vllm_kbit.format import FUSED_GROUPS, ROUTER_PATTERN, KbitFormatError
 from vllm_kbit.quant import METHODS, default_codebook
 
 # See docs/FORMAT.md ("Choosing a method") for the measurement behind the default.
@@ -424,9 +424,6 @@ def _check_lm_head(src: Path, config: dict, linears: dict, shapes: dict, selecte
 
 # Checkpoint linears that vLLM fuses into one layer (its models' packed_modules_mapping:
 # qkv_proj, gate_up_proj). vLLM needs one scheme per fused layer.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
 def _check_fused_groups(linears: dict, selected: set[str]) -> None:
     for mod_name in linears:
         parent, _, leaf = mod_name.rpartition(".")

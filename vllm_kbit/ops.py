@@ -16,7 +16,8 @@ as opaque and hand it back to `gemm` unchanged.
   kbit::dequantize_experts(packed[E], absmax[E], codebook, bits, n, k, dtype) -> W[E, n, k]
 The two MoE ops serve vLLM's MoE layer (vllm_kbit/moe.py): experts repacked one by one and
 stacked (moe.repack_experts), pairs (token, expert) grouped in blocks of block_m as vLLM's
-moe_align_block_size lays them out.
+moe_align_block_size lays them out. Their codebook is float32 [2^bits], one for all experts,
+or [E, 2^bits], expert e decoding with row e (convert --fit-codebook fits one per expert).
 """
 from __future__ import annotations
 
@@ -144,6 +145,18 @@ def _check_expert_layout(packed, absmax, bits, n, k, op):
                          f"expects uint8 [{e}, {n}, {k // kf.BLOCK_SIZE}] (n={n}, k={k})")
 
 
+def _expert_codebooks(codebook, bits, num_experts, op, device, dtype):
+    """[E, 2^bits] in `dtype` on `device`: row e is expert e's codebook (a shared [2^bits]
+    one repeated)."""
+    entries = 1 << bits
+    if codebook.dim() == 1 and codebook.shape[0] == entries:
+        return codebook.to(device, dtype).expand(num_experts, entries)
+    if codebook.shape != (num_experts, entries):
+        raise ValueError(f"kbit::{op}: codebook has shape {tuple(codebook.shape)}; bits={bits} needs [{entries}] "
+                         f"(one for all experts) or [E = {num_experts}, {entries}] (one per expert)")
+    return codebook.to(device, dtype)
+
+
 def _work_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -167,9 +180,9 @@ def _moe_gemm_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, exp
     pair_expert = pair_expert[:num_pairs]
     rows = x.to(work).repeat_interleave(top_k, dim=0)
     y = torch.zeros(num_pairs, n, dtype=work, device=x.device)
-    cb = codebook.to(x.device, work)
+    cbs = _expert_codebooks(codebook, bits, packed.shape[0], "moe_gemm", x.device, work)
     for e in range(packed.shape[0]):
-        w = kf.dequantize(packed[e], absmax[e], bits, cb, dtype=work)
+        w = kf.dequantize(packed[e], absmax[e], bits, cbs[e], dtype=work)
         y = torch.where((pair_expert == e).unsqueeze(1), rows @ w.t(), y)
     if topk_weights is not None:
         y = y * topk_weights.reshape(-1, 1).to(work)
@@ -178,10 +191,10 @@ def _moe_gemm_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, exp
 
 def _dequantize_experts_ref(packed, absmax, codebook, bits, n, k, dtype):
     _check_expert_layout(packed, absmax, bits, n, k, "dequantize_experts")
-    cb = codebook.to(packed.device, _work_dtype(dtype))
+    cbs = _expert_codebooks(codebook, bits, packed.shape[0], "dequantize_experts", packed.device, _work_dtype(dtype))
     out = torch.empty(packed.shape[0], n, k, dtype=dtype, device=packed.device)
     for e in range(packed.shape[0]):
-        out[e] = kf.dequantize(packed[e], absmax[e], bits, cb, dtype=dtype)
+        out[e] = kf.dequantize(packed[e], absmax[e], bits, cbs[e], dtype=dtype)
     return out
 
 
@@ -244,10 +257,11 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: 
 
 def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = None,
              name: str = "weight") -> tuple[torch.Tensor, torch.Tensor, int]:
-    """W[N, K] -> (qweight, absmax, underflow_blocks) in the checkpoint layout, on the weight's
+    """W[N, K] -> (qweight, absmax, underflow_blocks) in the checkpoint layout, with `codebook`
+    (default: format.default_codebook, nf0, as every entry point that quantizes) on the weight's
     device (the CUDA kernel where built, else the reference). Bad input raises
     KbitFormatError naming `name` (see format.check_quantizable)."""
-    cb = kf.normal_float_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
+    cb = kf.default_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
     underflow = kf.check_quantizable(weight, name)
     if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         weight = weight.float()  # e.g. float64: the kernels take 16/32-bit floats

@@ -18,15 +18,13 @@ import torch
 from vllm_kbit import format as kf
 from vllm_kbit.quant import calibrate, codebooks, rounding
 
-# Checkpoint linears vLLM fuses into one layer; they share one fitted codebook.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 DEFAULT_CALIB_SAMPLES, DEFAULT_CALIB_LEN = 128, 512
 
 
 def fused_group(module: str) -> str:
     """The name of the vLLM layer a checkpoint linear belongs to (its first shard's name)."""
     parent, _, leaf = module.rpartition(".")
-    for g in FUSED_GROUPS:
+    for g in kf.FUSED_GROUPS:
         if leaf in g:
             return f"{parent}.{g[0]}" if parent else g[0]
     return module
