@@ -250,6 +250,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) gemm_kernel(const 
       for (int i = 0; i < nt; ++i) {
         const int sg = i % C::kStages, ku = i * C::kTileUnits, units = min(C::kTileUnits, ku_count - ku);
         if (i >= C::kStages) mbar_wait(empty0 + 8 * sg, ((i / C::kStages) - 1) & 1);
+        fence_proxy_async();  // the consumers' reads of the stage (generic proxy) before the async writes
         const uint32_t st = stage0 + sg * C::kStageBytes, bar = bar0 + 8 * sg;
         mbar_arrive_expect_tx(bar, C::kXBytes + C::kSlabs * units * (C::kPlaneBytes + kUnitAbsmaxBytes));
         tma_load_2d(st, &xmap, ku * kUnitK, m0, bar);
