@@ -3,7 +3,7 @@
 //   kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the GEMM's k order, s_x [M] fp32)
 //   kbit::gemm_fp8(x, packed, absmax, codebook, bits, n, k, w_exp, bias?) -> y [M, n]
 //   kbit::gemm_fp8_quantized(x_q, s_x, packed, absmax, codebook, bits, n, k, w_exp, dtype,
-//                            bias?, tile_m) -> y   (tile_m 0: the kernel's choice; 64 / 128 force it)
+//                            bias?, tile_m) -> y   (tile_m 0: the kernel's choice; 64 / 128 / 256 force it)
 // No host sync and a grid from shapes only: graph-capturable.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -97,7 +97,8 @@ at::Tensor gemm_fp8_quantized(const at::Tensor& xq, const at::Tensor& x_scale, c
               " entries, x_q has " + str(xq.size(0)) + " rows");
   TORCH_CHECK(xq.size(0) < (int64_t(1) << 31), "kbit::gemm_fp8: too many rows");
   check_weight(op, packed, absmax, codebook, bits, n, k, w_exp, xq);
-  TORCH_CHECK(tile_m == 0 || tile_m == 64 || tile_m == 128, "kbit::gemm_fp8: tile_m must be 0, 64 or 128, got " + str(tile_m));
+  TORCH_CHECK(tile_m == 0 || tile_m == 64 || tile_m == 128 || tile_m == 256,
+              "kbit::gemm_fp8: tile_m must be 0, 64, 128 or 256, got " + str(tile_m));
   const at::Tensor* b = bias.has_value() && bias->defined() ? &*bias : nullptr;
   if (b != nullptr) {
     check_dense(*b, op, "bias", dtype, xq);

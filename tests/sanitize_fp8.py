@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck python3 tests/sanitize_fp8.py
     compute-sanitizer --tool synccheck python3 tests/sanitize_fp8.py
 
-Covers both token tiles, K = 2..5, fp16 and bf16, bias, rows past M, slabs past N, an odd count
+Covers the three token tiles (the tall one: two consumer warpgroups), K = 2..5, fp16 and bf16, bias, rows past M, slabs past N, an odd count
 of 64-k units (the last K-tile half empty), K % 64 == 32, more K-tiles than pipeline stages.
 Exits non-zero if a result is off; 0 with a note where the kernel is unavailable.
 """
@@ -21,6 +21,7 @@ CASES = [  # m, n, k, bits, dtype, bias, tile_m
     (129, 64, 2048, 4, torch.float16, True, 128),
     (40, 300, 1024, 5, torch.bfloat16, True, 64),
     (200, 130, 4096, 4, torch.bfloat16, False, 0),
+    (300, 200, 2080, 3, torch.float16, True, 256),    # the tall CTA: two warpgroups, rows past M
 ]
 
 if __name__ == "__main__":

@@ -84,7 +84,9 @@ def quantize_act_natural(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"quantize_act: x must be float16 or bfloat16, got {x.dtype}")
     xf = x.float()
     amax = xf.abs().amax(dim=1) if x.shape[1] else torch.zeros(x.shape[0], device=x.device)
-    scale = torch.clamp(amax, min=AMAX_FLOOR) / E4M3_MAX
+    # a tensor divisor: torch turns division by a Python scalar into a multiplication by its
+    # reciprocal on CUDA, which rounds differently from the kernel's (and step 1's) division
+    scale = torch.clamp(amax, min=AMAX_FLOOR) / torch.full_like(amax, E4M3_MAX)
     q = torch.clamp(xf / scale.unsqueeze(1), -E4M3_MAX, E4M3_MAX)  # satfinite (rounds to +-448 anyway)
     return q.to(torch.float8_e4m3fn), scale
 

@@ -18,7 +18,7 @@ as opaque and hand it back to `gemm` unchanged.
       FP8 (e4m3) activations, per-token scales; w_exp: fp8_act.weight_exponent of the layer
   kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the kernel's k order, s_x fp32 [M])
   kbit::gemm_fp8_quantized(x_q, s_x, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias?,
-                           tile_m=0) -> y   (tile_m 64 / 128 forces the kernel's token tile)
+                           tile_m=0) -> y   (tile_m 64 / 128 / 256 forces the kernel's token tile)
 The two MoE ops serve vLLM's MoE layer (vllm_kbit/moe.py): experts repacked one by one and
 stacked (moe.repack_experts), pairs (token, expert) grouped in blocks of block_m as vLLM's
 moe_align_block_size lays them out.

@@ -17,7 +17,9 @@
 //   * CTA: one consumer warpgroup and a producer warp, 128 columns (two 64-column slabs) x MT tokens. Warp w decodes slab
 //     w & 1, row tiles 2 (w >> 1) and 2 (w >> 1) + 1 of it, i.e. plane word h = w >> 1 of each
 //     block, so each wgmma m64 takes one row tile from each warp (the epilogue maps rows back).
-//     Two accumulator sets of 64 x MT: MT fp32 a thread. Two CTAs per SM.
+//     Two accumulator sets of 64 x MT: MT fp32 a thread. Two CTAs per SM (K=5 at MT = 128: one,
+//     214 registers). MT = 256 (Cfg::kTall): two consumer warpgroups, each warp one row tile, so
+//     each decoded weight feeds 256 tokens; one CTA per SM.
 //   * K-tile = 128 k (two layout units), so the x tile has the same 128-byte rows and 128 B
 //     swizzle as the fp16 kernel's and a k32 step is +32 B on the descriptor; one mbarrier a
 //     stage (x box + each slab's planes and absmax: four bulk copies, one arrival).
@@ -84,9 +86,16 @@ __host__ __device__ constexpr int act_source_k(int bits, int p) {
 }
 
 template <int BITS, int MT> struct Cfg {
-  static_assert(MT == 64 || MT == 128, "tokens per CTA (wgmma N): 64 or 128");
-  static constexpr int kConsumers = 128;                     // one warpgroup decodes and multiplies
-  static constexpr int kThreads = kConsumers + 32;           // and one warp loads
+  static_assert(MT == 64 || MT == 128 || MT == 256, "tokens per CTA (wgmma N): 64, 128 or 256");
+  // The tall CTA (MT = 256): two consumer warpgroups on the same x tile, warp w of warpgroup wg
+  // decoding only row tile 2 (w >> 1) + wg of slab w & 1 (one accumulator set of 64 x 256), so
+  // each decoded weight feeds 256 tokens: half the decode per MMA of the 128-token tile. One CTA
+  // per SM (its 128 fp32 accumulators a thread, 8 consumer warps).
+  static constexpr bool kTall = MT == 256;
+  static constexpr int kWG = kTall ? 2 : 1;                  // consumer warpgroups
+  static constexpr int kSets = kTall ? 1 : 2;                // accumulator sets (row tiles) a warp
+  static constexpr int kConsumers = 128 * kWG;               // the warps that decode and multiply
+  static constexpr int kThreads = kConsumers + 32;           // and one warp that loads
   static constexpr int kSlabs = 2;                           // 64-column slabs per CTA
   static constexpr int kColumns = kSlabs * kUnitN;
   static constexpr int kTileUnits = 2;                       // layout units along K per K-tile
@@ -99,13 +108,14 @@ template <int BITS, int MT> struct Cfg {
   static constexpr int kWBytes = kSlabs * (kSlabPlaneBytes + kSlabAbsBytes);
   static constexpr int kStageBytes = kXBytes + (kWBytes + 1023) / 1024 * 1024;
   static constexpr int kLutBytes = PairTable<BITS>::kLutBytes;  // a multiple of 1 KB
-  static constexpr int kBudget = 113 * 1024;                 // two CTAs per SM (228 KB, 1 KB each reserved)
+  // shared memory: two CTAs per SM (228 KB, 1 KB each reserved), or the tall CTA alone
+  static constexpr int kBudget = kTall ? 226 * 1024 : 113 * 1024;
   static constexpr int kFit = (kBudget - 1024 - kLutBytes - 128) / kStageBytes;
   static constexpr int kStages = kFit > 6 ? 6 : kFit;
   static constexpr int kBytes = 1024 + kLutBytes + kStages * kStageBytes + 16 * kStages;
-  static constexpr int kAcc = MT / 2;                        // fp32 a thread per row-tile set
+  static constexpr int kAcc = MT / 2;                        // fp32 a thread per accumulator set
   static_assert(kStages >= 3, "two K-tiles in flight while one is computed");
-  static_assert(kBytes <= kBudget, "two CTAs per SM");
+  static_assert(kBytes <= kBudget, "fits the CTAs per SM it is built for");
   static_assert(kXBytes % 1024 == 0 && kLutBytes % 1024 == 0, "x tiles start on 1 KB swizzle atoms");
 };
 
@@ -182,17 +192,22 @@ template <> __device__ __forceinline__ void wgmma_e4m3<128>(float (&d)[64], cons
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
+template <> __device__ __forceinline__ void wgmma_e4m3<256>(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, 1, 1, 1;"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
 
-// One block's A fragments (two row tiles 2h + qp, qp = 0, 1, of the warp's slab) from this
+// One block's A fragments (row tiles 2h + qp0 + r, r < SETS, of the warp's slab) from this
 // lane's plane words of the block (word 2 kb + h) and the block's E4M4 codes.
-template <int BITS>
-__device__ __forceinline__ void decode_block(const uint32_t (&planes)[BITS], uint32_t codes, uint32_t (&A)[2][4],
-                                             uint32_t lut_addr, uint32_t table) {
+template <int BITS, int SETS>
+__device__ __forceinline__ void decode_block(const uint32_t (&planes)[BITS], uint32_t codes, uint32_t (&A)[SETS][4],
+                                             uint32_t lut_addr, uint32_t table, int qp0) {
   Decoder<BITS, __half, false> dec;
   dec.load(planes);
 #pragma unroll
-  for (int qp = 0; qp < 2; ++qp) {
-    const int q0 = 2 * qp, q1 = 2 * qp + 1;  // n8 groups 4h + q0 (rows g), 4h + q1 (rows g + 8)
+  for (int r = 0; r < SETS; ++r) {
+    const int qp = qp0 + r, q0 = 2 * qp, q1 = 2 * qp + 1;  // n8 groups 4h + q0 (rows g), 4h + q1 (rows g + 8)
     const uint32_t s0 = scale2<__half>(codes, q0), s1 = scale2<__half>(codes, q1);
     uint32_t c0[4], c1[4];
 #pragma unroll
@@ -201,10 +216,10 @@ __device__ __forceinline__ void decode_block(const uint32_t (&planes)[BITS], uin
       c1[s] = e4m3x2_f16x2(hmul2<__half>(dec.pair(q1, s, lut_addr, table), s1));
     }
     // registers: 0 row g (positions 4t..4t+3), 1 row g + 8, 2 row g (16 + 4t..), 3 row g + 8
-    A[qp][0] = c0[0] | (c0[1] << 16);
-    A[qp][1] = c1[0] | (c1[1] << 16);
-    A[qp][2] = c0[2] | (c0[3] << 16);
-    A[qp][3] = c1[2] | (c1[3] << 16);
+    A[r][0] = c0[0] | (c0[1] << 16);
+    A[r][1] = c1[0] | (c1[1] << 16);
+    A[r][2] = c0[2] | (c0[3] << 16);
+    A[r][3] = c1[2] | (c1[3] << 16);
   }
 }
 #endif  // KBIT_FP8_DEVICE
@@ -220,7 +235,9 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) gemm_kernel(const 
   const uint32_t base = (raw_addr + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (base - raw_addr);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-  const int slab = warp & 1, h = warp >> 1;
+  // consumer warp w of warpgroup wg: slab w & 1, plane word h = w >> 1, row tiles 2h + qp0 + r
+  const int wg = warp >> 2, slab = warp & 1, h = (warp >> 1) & 1, qp0 = C::kTall ? wg : 0;
+  constexpr int kSets = C::kSets;
   const int m0 = blockIdx.x * MT;
   const int nus = n_units(p.n), ku_count = p.ku_count;
   const int nt = div_up(ku_count, C::kTileUnits);
@@ -269,12 +286,12 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) gemm_kernel(const 
   }
   const uint32_t lut_addr = opaque(lut_base + 4u * (lane % kLutReplicas));
 
-  float acc[2][C::kAcc];
+  float acc[kSets][C::kAcc];
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
+  for (int r = 0; r < kSets; ++r)
 #pragma unroll
     for (int i = 0; i < C::kAcc; ++i) acc[r][i] = 0.f;
-  uint32_t A[2][2][4];  // [buffer][row-tile set][register]
+  uint32_t A[2][kSets][4];  // [buffer][accumulator set][register]
   for (int t = 0; t < nt; ++t) {
     const int sg = t % C::kStages;
     const uint32_t st = stage0 + sg * C::kStageBytes;
@@ -284,7 +301,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) gemm_kernel(const 
 #pragma unroll
     for (int blk = 0; blk < 2 * C::kTileUnits; ++blk) {
       const int u = blk >> 1, kb = blk & 1;
-      uint32_t(&Ab)[2][4] = A[blk & 1];
+      uint32_t(&Ab)[kSets][4] = A[blk & 1];
       // this lane's plane words and codes of the block (word 2 kb + h of unit u), read per block:
       // the whole tile's at once take 20-30 more registers, which at K=5 cost the second CTA
       // of an SM. Past the last unit (odd unit count) the scale is 0: weights 0 against the
@@ -293,18 +310,18 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) gemm_kernel(const 
 #pragma unroll
       for (int b = 0; b < BITS; ++b) pw[b] = lds_u32(wst + u * C::kPlaneBytes + b * 512 + lane * 16 + (2 * kb + h) * 4);
       const uint32_t codes = u < units ? lds_u32(ast + u * kUnitAbsmaxBytes + g * 16 + (2 * kb + h) * 4) : 0u;
-      decode_block<BITS>(pw, codes, Ab, lut_addr, table);
+      decode_block<BITS, kSets>(pw, codes, Ab, lut_addr, table, qp0);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) fence_regs(acc[r]);
+      for (int r = 0; r < kSets; ++r) fence_regs(acc[r]);
       wgmma_fence();
 #pragma unroll
-      for (int r = 0; r < 2; ++r) wgmma_e4m3<MT>(acc[r], Ab[r], smem_desc(st + blk * 32));
+      for (int r = 0; r < kSets; ++r) wgmma_e4m3<MT>(acc[r], Ab[r], smem_desc(st + blk * 32));
       wgmma_commit();
 #pragma unroll
-      for (int r = 0; r < 2; ++r) fence_regs(acc[r]);
+      for (int r = 0; r < kSets; ++r) fence_regs(acc[r]);
       wgmma_wait<1>();  // the other buffer's group (the previous block) has retired
 #pragma unroll
-      for (int r = 0; r < 2; ++r) fence_regs(Ab[r]);
+      for (int r = 0; r < kSets; ++r) fence_regs(Ab[r]);
       // after block 0 every group of tile t - 1 has retired: this thread is done with its stage
       // (each thread arrives: an arrival releases only its own reads)
       if (blk == 0 && t > 0) mbar_arrive(empty0 + 8 * ((t - 1) % C::kStages));
@@ -312,9 +329,9 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) gemm_kernel(const 
   }
   wgmma_wait<0>();
 #pragma unroll
-  for (int r = 0; r < 2; ++r) fence_regs(acc[r]);
+  for (int r = 0; r < kSets; ++r) fence_regs(acc[r]);
 
-  // Epilogue: accumulator i of set r is column nu * 64 + 16 (2h + r) + 8 (e >> 1) + g, token
+  // Epilogue: accumulator i of set r is column nu * 64 + 16 (2h + qp0 + r) + 8 (e >> 1) + g, token
   // m0 + 8 j + 2 t + (e & 1) (e = i & 3, j = i >> 2); times s_x[token] * 2^-r, plus bias.
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
@@ -329,10 +346,10 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) gemm_kernel(const 
       sx[e] = row < p.m ? p.x_scale[row] * wscale : 0.f;
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
+    for (int r = 0; r < kSets; ++r)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int col = nu * kUnitN + 16 * (2 * h + r) + 8 * (e >> 1) + g, row = m0 + 8 * j + 2 * t4 + (e & 1);
+        const int col = nu * kUnitN + 16 * (2 * h + qp0 + r) + 8 * (e >> 1) + g, row = m0 + 8 * j + 2 * t4 + (e & 1);
         if (nu < nus && col < p.n && row < p.m) {
           float v = acc[r][4 * j + e] * sx[e & 1];
           if (bias != nullptr) v += to_float(bias[col]);

@@ -34,8 +34,11 @@ bool quantize_supported() { return gemm_supported(); }
 int max_weight_exp() { return kMaxWeightExp; }
 int min_weight_exp() { return kMinWeightExp; }
 
+// 256 tokens (the tall CTA, one per SM) where its CTAs fill the SMs; else 128 (two per SM)
+// where those fill them; else 64.
 int choose_tile_m(int m, int n, int num_sms) {
   const long long groups = div_up(n_units(n), 2);
+  if ((long long)div_up(m, 256) * groups >= num_sms) return 256;
   return (long long)div_up(m, 128) * groups < num_sms ? 64 : 128;
 }
 
@@ -58,7 +61,7 @@ cudaError_t launch_quantize_act(OutType dtype, const void* x, uint8_t* xq, float
 cudaError_t launch_gemm(const GemmArgs& a, int tile_m, int num_sms, cudaStream_t stream) {
   if (a.m < 1 || a.n < 1 || a.k < 32 || a.k % 32 != 0 || a.bits < 2 || a.bits > 5) return cudaErrorInvalidValue;
   if (a.w_exp > kMaxWeightExp || a.w_exp < kMinWeightExp) return cudaErrorInvalidValue;
-  if (tile_m != 0 && tile_m != 64 && tile_m != 128) return cudaErrorInvalidValue;
+  if (tile_m != 0 && tile_m != 64 && tile_m != 128 && tile_m != 256) return cudaErrorInvalidValue;
   const auto misaligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) != 0; };
   if (misaligned(a.xq) || misaligned(a.packed) || misaligned(a.absmax)) return cudaErrorInvalidValue;
   if (!gemm_supported()) return cudaErrorNotSupported;

@@ -14,7 +14,7 @@ enum class OutType { kHalf, kBFloat16 };
 bool gemm_supported();
 bool quantize_supported();
 
-// Tokens per CTA the GEMM takes for this shape: 128, or 64 where 128-token tiles leave SMs idle.
+// Tokens per CTA the GEMM takes for this shape: 256, 128 or 64 (fp8_launch.cu).
 int choose_tile_m(int m, int n, int num_sms);
 
 // x [m, k] (fp16 / bf16, 16 B aligned, k % 32 == 0) -> xq [m, k] e4m3 in the GEMM's k order for
@@ -33,7 +33,7 @@ struct GemmArgs {
   int m, n, k, bits, w_exp;
   OutType dtype;
 };
-// tile_m 0 picks with choose_tile_m; 64 or 128 force it.
+// tile_m 0 picks with choose_tile_m; 64, 128 or 256 force it.
 cudaError_t launch_gemm(const GemmArgs& a, int tile_m, int num_sms, cudaStream_t stream);
 
 // The largest / smallest weight exponent r the kernel takes (the pair table stays finite in fp16).

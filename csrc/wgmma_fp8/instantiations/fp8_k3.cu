@@ -13,6 +13,7 @@ template <> cudaError_t launch_bits<3>(const GemmArgs& a, int tile_m, cudaStream
   p.m = a.m; p.n = a.n; p.k = a.k; p.ku_count = k_units(a.k); p.w_exp = a.w_exp;
   const bool half = a.dtype == OutType::kHalf;
   if (tile_m == 64) return half ? launch_tile<3, 64, __half>(p, a.xq, stream) : launch_tile<3, 64, __nv_bfloat16>(p, a.xq, stream);
+  if (tile_m == 256) return half ? launch_tile<3, 256, __half>(p, a.xq, stream) : launch_tile<3, 256, __nv_bfloat16>(p, a.xq, stream);
   return half ? launch_tile<3, 128, __half>(p, a.xq, stream) : launch_tile<3, 128, __nv_bfloat16>(p, a.xq, stream);
 }
 
