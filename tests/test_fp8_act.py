@@ -104,3 +104,69 @@ def test_fake_shapes():
                                     torch.empty(16), 4, 96, 64, 0)
         xq, s = torch.ops.kbit.quantize_act_fp8(x, 4)
     assert y.shape == (5, 96) and xq.shape == (5, 64) and xq.dtype == torch.float8_e4m3fn and s.shape == (5,)
+
+
+def emulate_kernel(packed, absmax_packed, cb, bits, n, k, xq, scale, w_exp):
+    """The FP8 GEMM's data flow, lane by lane, in float64 (csrc/wgmma_fp8/fp8_kernel.cuh): each
+    lane's plane words of the tiled layout (layout.repack_ref), the decoder's pairs, the packing
+    into the 8-bit A fragment, the row -> column map of the epilogue, and the kernel's x_q."""
+    from vllm_kbit import layout as kl
+    nu_n, ku_n = kl.n_units(n), kl.k_units(k)
+    slots = (packed.long() & 0xFFFFFFFF).view(nu_n, ku_n, bits, 32, 4)
+    planes = kl.slots_to_planes(slots, bits)                              # [nu, ku, bits, lane, word]
+    codes = absmax_packed.view(nu_n, ku_n, 8, 4, 4)                       # [nu, ku, g, word, q]
+    table = (cb.double() * 2.0 ** (w_exp + 4)).to(torch.float16)
+    # every (E4M4 code, index) weight as the kernel rounds it: fp16 table x fp16 scale, then e4m3
+    s16 = (kf.decode_e4m4(torch.arange(256, dtype=torch.int64).to(torch.uint8)) / 16).to(torch.float16)
+    wtab = (s16.unsqueeze(1) * table.unsqueeze(0)).to(torch.float8_e4m3fn).double().tolist()
+    planes, codes = planes.tolist(), codes.tolist()
+    pairs = [(0, 2), (1, 3), (4, 6), (5, 7)] if bits == 2 else [(s, s + 4) for s in range(4)]
+    m = xq.shape[0]
+    xqp = torch.zeros(m, ku_n * 64, dtype=torch.float64)
+    xqp[:, :k] = xq.double()
+    w_frag = torch.zeros(nu_n * 64, ku_n * 64, dtype=torch.float64)      # [column, x_q position]
+    for nu in range(nu_n):
+        for ku in range(ku_n):
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for wi in range(4):
+                    kb, h = wi >> 1, wi & 1
+                    for q in range(4):
+                        col = nu * 64 + 8 * (4 * h + q) + g       # n8 group 4h + q (core/layout.cuh)
+                        # the epilogue's map: row tile 2h + qp, rows g (q = 2qp) / g + 8 (q = 2qp + 1)
+                        assert col == nu * 64 + 16 * (2 * h + q // 2) + 8 * (q % 2) + g
+                        wrow = wtab[codes[nu][ku][g][wi][q]]
+                        words = [planes[nu][ku][b][lane][wi] for b in range(bits)]
+
+                        def weight(e):
+                            return wrow[sum(((words[b] >> (8 * q + e)) & 1) << b for b in range(bits))]
+                        # registers 0 (positions 4t..4t+3) and 2 (16+4t..): pairs 0, 1 and 2, 3, lo byte first
+                        for reg, (pa, pb) in enumerate([(0, 1), (2, 3)]):
+                            for i, e in enumerate((pairs[pa][0], pairs[pa][1], pairs[pb][0], pairs[pb][1])):
+                                w_frag[col, ku * 64 + kb * 32 + 16 * reg + 4 * t + i] = weight(e)
+    acc = xqp @ w_frag.t()
+    return acc[:, :n] * scale.double().unsqueeze(1) * 2.0 ** -w_exp
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_emulated_kernel_matches_reference(bits):
+    # the lane-level model of the kernel on the real tiled layout agrees with the reference:
+    # the k permutation, the pair packing and the row -> column map are consistent
+    from vllm_kbit import layout as kl
+    g = torch.Generator().manual_seed(10 + bits)
+    n, k, m = 80, 96, 5                                      # a partial unit along N and along K
+    idx = torch.randint(0, 1 << bits, (n, k), generator=g).to(torch.uint8)
+    codes = torch.randint(0x70, 0xA0, (n, k // 32), generator=g).to(torch.uint8)
+    qweight = kf.pack_bitplanes(idx, bits)
+    packed, absmax_packed = kl.repack_ref(qweight, codes, bits)
+    cb = kf.normal_float_codebook(bits)
+    r = fp8_act.weight_exponent(codes)
+    x = torch.randn(m, k, generator=g).to(torch.float16)
+    xq, s = fp8_act.quantize_act(x, bits)
+    y_emu = emulate_kernel(packed, absmax_packed, cb, bits, n, k, xq, s, r)
+    w_q = fp8_act.weight_e4m3(qweight, codes, bits, cb, r)
+    ref = fp8_act.gemm_from_quantized(fp8_act.unpermute(xq, bits), s, w_q, r, None, torch.float64)
+    assert torch.allclose(y_emu, ref, rtol=1e-12, atol=1e-12)
+    # and a wrong permutation would not: x_q in natural order disagrees
+    y_bad = emulate_kernel(packed, absmax_packed, cb, bits, n, k, fp8_act.unpermute(xq, bits), s, r)
+    assert not torch.allclose(y_bad, ref, rtol=1e-3, atol=1e-3)
