@@ -7,6 +7,7 @@ Rows per (shape, M, method), microseconds (bench_gemm.Timer: L2 flushed before e
 events, median):
   kbit-fp8 K=b        the op as a layer calls it: x quantization + GEMM
   kbit-fp8 K=b gemm   the GEMM alone on a quantized x (kbit::gemm_fp8_quantized)
+  K=4 gemm MxN        the same at K=4 with the CTA tile forced (--tiles; tokens x columns)
   fp8-quant           kbit's activation quantizer alone
   scaled_mm           torch._scaled_mm, x and W already e4m3 (the GEMM alone)
   cutlass_scaled_mm   vLLM's, same operands; vllm-fp8-quant: vLLM's per-token quantizer
@@ -63,6 +64,8 @@ def main():
     ap.add_argument("--shapes", default=None, help="names (qkv,o,gate_up,down) or NxK")
     ap.add_argument("--bits", default="2,4")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--tiles", default="64x128,128x128,256x128,128x256",
+                    help="CTA tiles (tokens x columns) timed forced at K=4, GEMM alone; '' for none")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     import vllm_kbit.ops  # noqa: F401  (schemas, the extension)
@@ -91,6 +94,12 @@ def main():
                 xq, s = torch.ops.kbit.quantize_act_fp8(x, b)
                 t[f"kbit-fp8 K={b} gemm"] = timer(
                     lambda: torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, b, n, k, r, dt))
+            packed, absmax, cb, r = weights[4]
+            xq, s = torch.ops.kbit.quantize_act_fp8(x, 4)
+            for tile in filter(None, args.tiles.split(",")):
+                tm, tn = (int(v) for v in tile.split("x"))
+                t[f"K=4 gemm {tile}"] = timer(
+                    lambda: torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, 4, n, k, r, dt, None, tm, tn))
             t["fp8-quant"] = timer(lambda: torch.ops.kbit.quantize_act_fp8(x, 4))
             t["scaled_mm"] = timer(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=dt))
             if vops is not None:

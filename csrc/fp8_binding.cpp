@@ -3,7 +3,9 @@
 //   kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the GEMM's k order, s_x [M] fp32)
 //   kbit::gemm_fp8(x, packed, absmax, codebook, bits, n, k, w_exp, bias?) -> y [M, n]
 //   kbit::gemm_fp8_quantized(x_q, s_x, packed, absmax, codebook, bits, n, k, w_exp, dtype,
-//                            bias?, tile_m) -> y   (tile_m 0: the kernel's choice; 64 / 128 / 256 force it)
+//                            bias?, tile_m, tile_n) -> y
+//       tile_m = tile_n = 0: the kernel's choice; else the CTA tile (tokens x columns) 64 x 128,
+//       128 x 128, 256 x 128 or 128 x 256 (a 0 stands for 128)
 // No host sync and a grid from shapes only: graph-capturable.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -87,7 +89,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_act_fp8(const at::Tensor& x, int64_t
 at::Tensor gemm_fp8_quantized(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& packed,
                               const at::Tensor& absmax, const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
                               int64_t w_exp, at::ScalarType dtype, const c10::optional<at::Tensor>& bias,
-                              int64_t tile_m) {
+                              int64_t tile_m, int64_t tile_n) {
   const char* op = "gemm_fp8";
   const OutType dt = out_type(dtype, op);
   TORCH_CHECK(xq.dim() == 2 && xq.size(1) == k, "kbit::gemm_fp8: x_q must be [M, k = " + str(k) + "]");
@@ -97,8 +99,12 @@ at::Tensor gemm_fp8_quantized(const at::Tensor& xq, const at::Tensor& x_scale, c
               " entries, x_q has " + str(xq.size(0)) + " rows");
   TORCH_CHECK(xq.size(0) < (int64_t(1) << 31), "kbit::gemm_fp8: too many rows");
   check_weight(op, packed, absmax, codebook, bits, n, k, w_exp, xq);
-  TORCH_CHECK(tile_m == 0 || tile_m == 64 || tile_m == 128 || tile_m == 256,
-              "kbit::gemm_fp8: tile_m must be 0, 64, 128 or 256, got " + str(tile_m));
+  {
+    const int64_t tm = tile_m == 0 && tile_n != 0 ? 128 : tile_m, tn = tile_n == 0 && tile_m != 0 ? 128 : tile_n;
+    const bool ok = (tm == 0 && tn == 0) || (tn == 128 && (tm == 64 || tm == 128 || tm == 256)) || (tn == 256 && tm == 128);
+    TORCH_CHECK(ok, "kbit::gemm_fp8: the tile (tile_m " + str(tile_m) + ", tile_n " + str(tile_n) +
+                ") is not one of 64x128, 128x128, 256x128, 128x256 (or 0, 0: the kernel's choice)");
+  }
   const at::Tensor* b = bias.has_value() && bias->defined() ? &*bias : nullptr;
   if (b != nullptr) {
     check_dense(*b, op, "bias", dtype, xq);
@@ -120,7 +126,7 @@ at::Tensor gemm_fp8_quantized(const at::Tensor& xq, const at::Tensor& x_scale, c
   a.m = int(xq.size(0)); a.n = int(n); a.k = int(k); a.bits = int(bits); a.w_exp = int(w_exp);
   a.dtype = dt;
   const int sms = at::cuda::getDeviceProperties(xq.device().index())->multiProcessorCount;
-  check_cuda(launch_gemm(a, int(tile_m), sms, at::cuda::getCurrentCUDAStream()), op);
+  check_cuda(launch_gemm(a, int(tile_m), int(tile_n), sms, at::cuda::getCurrentCUDAStream()), op);
   return y;
 }
 
@@ -129,7 +135,7 @@ at::Tensor gemm_fp8(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "kbit::gemm_fp8: x must be [M, k = " + str(k) + "]");
   check_weight("gemm_fp8", packed, absmax, codebook, bits, n, k, w_exp, x);
   const auto [xq, scale] = quantize_act_fp8(x, bits);
-  return gemm_fp8_quantized(xq, scale, packed, absmax, codebook, bits, n, k, w_exp, x.scalar_type(), bias, 0);
+  return gemm_fp8_quantized(xq, scale, packed, absmax, codebook, bits, n, k, w_exp, x.scalar_type(), bias, 0, 0);
 }
 
 }  // namespace

@@ -47,13 +47,13 @@ def within(y, ref, mag, dtype):
     return err <= bound, err, bound
 
 
-def check(m, n, k, bits, dtype, bias=False, tile_m=0, x_scale=1.0, seed=0, fused=True):
+def check(m, n, k, bits, dtype, bias=False, tile=(0, 0), x_scale=1.0, seed=0, fused=True):
     """Quantizer bit for bit, GEMM per element; returns y."""
     qweight, e4m4, packed, absmax, cb = random_weight(n, k, bits, 1000 * bits + n + 7 * k + seed)
     w_exp = fp8_act.weight_exponent(e4m4)
     b = (torch.randn(n, device="cuda") * 0.5).to(dtype) if bias else None
     x = (torch.randn(m, k, device="cuda") * x_scale).to(dtype)
-    where = f"m={m} n={n} k={k} bits={bits} {dtype} bias={bias} tile_m={tile_m}"
+    where = f"m={m} n={n} k={k} bits={bits} {dtype} bias={bias} tile={tile}"
 
     xq, scale = torch.ops.kbit.quantize_act_fp8(x, bits)
     xq_ref, scale_ref = fp8_act.quantize_act(x, bits)
@@ -62,7 +62,7 @@ def check(m, n, k, bits, dtype, bias=False, tile_m=0, x_scale=1.0, seed=0, fused
     assert mism == 0, f"{mism} x_q bytes differ from the reference {where}"
 
     poison(m, n, dtype)
-    y = torch.ops.kbit.gemm_fp8_quantized(xq, scale, packed, absmax, cb, bits, n, k, w_exp, dtype, b, tile_m)
+    y = torch.ops.kbit.gemm_fp8_quantized(xq, scale, packed, absmax, cb, bits, n, k, w_exp, dtype, b, *tile)
     assert torch.isfinite(y).all(), f"non-finite output (unwritten?) {where}"
     ref, xn, w_q, mag = reference(xq, scale, qweight, e4m4, cb, bits, w_exp, b)
     ok, err, bound = within(y, ref, mag, dtype)
@@ -73,7 +73,7 @@ def check(m, n, k, bits, dtype, bias=False, tile_m=0, x_scale=1.0, seed=0, fused
     if fused:
         poison(m, n, dtype)
         y2 = torch.ops.kbit.gemm_fp8(x, packed, absmax, cb, bits, n, k, w_exp, b)
-        if tile_m == 0:
+        if tile == (0, 0):
             assert torch.equal(y, y2), f"gemm_fp8 differs from quantize + gemm_fp8_quantized {where}"
         else:
             assert torch.isfinite(y2).all() and within(y2, ref, mag, dtype)[0].all(), f"gemm_fp8 off {where}"

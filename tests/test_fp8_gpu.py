@@ -1,8 +1,8 @@
 """FP8-activation kbit GEMM (csrc/wgmma_fp8/, Hopper sm_90a) on the GPU: kbit::quantize_act_fp8,
-kbit::gemm_fp8_quantized (each token tile forced, and the kernel's choice) and kbit::gemm_fp8,
+kbit::gemm_fp8_quantized (each CTA tile forced, and the kernel's choice) and kbit::gemm_fp8,
 against vllm_kbit/fp8_act.py's float64 function of the same e4m3 operands (tests/fp8_cases.py:
 the quantizer bit for bit, the GEMM per element within the fp32-accumulation bound, outputs
-NaN-poisoned first). Every K x output dtype, odd M, N not a multiple of the 128-column tile,
+NaN-poisoned first). Every K x output dtype x tile, odd M, N not a multiple of the column tile,
 K with an odd count of 64-k units. Skips off Hopper or on a build without 9.0a.
 """
 import pytest
@@ -19,28 +19,29 @@ if not gemm_cases.have("has_wgmma"):
 
 BITS = [2, 3, 4, 5]
 DTYPES = [torch.float16, torch.bfloat16]
+TILES = [(64, 128), (128, 128), (256, 128), (128, 256)]  # the CTA tiles, tokens x columns
 SHAPES = [  # m, n, k
     (17, 200, 320),      # one partial token tile, a slab past N, 5 k-units (odd: last K-tile half empty)
     (100, 1000, 2080),   # K % 64 == 32
-    (257, 136, 4096),    # three token tiles at 128, a partial second column group
+    (257, 136, 4096),    # three token tiles at 128, a partial second column group (and slabs past N)
     (1000, 520, 1024),
 ]
 
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tile_m", [64, 128, 256])
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_gemm_fp8(bits, dtype, tile_m, shape):
+def test_gemm_fp8(bits, dtype, tile, shape):
     m, n, k = shape
-    check(m, n, k, bits, dtype, bias=(m % 2 == 1), tile_m=tile_m)
+    check(m, n, k, bits, dtype, bias=(m % 2 == 1), tile=tile)
 
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemm_fp8_kernel_choice(bits, dtype):
-    for m in (64, 256, 1024):  # the kernel's choice on 132 SMs: 64, 128, 256 tokens
-        check(m, 4096, 1024, bits, dtype, bias=True, tile_m=0, seed=m)
+    for m in (64, 1024, 2200):  # the kernel's choice on 132 SMs: 64 x 128, 128 x 128, 128 x 256
+        check(m, 4096, 1024, bits, dtype, bias=True, seed=m)
 
 
 def test_scales_and_zero_rows():
@@ -80,5 +81,7 @@ def test_errors():
     xq, s = torch.ops.kbit.quantize_act_fp8(x, bits)
     with pytest.raises(RuntimeError, match="x_q"):
         torch.ops.kbit.gemm_fp8_quantized(xq.view(torch.uint8), s, packed, absmax, cb, bits, n, k, 0, torch.float16)
-    with pytest.raises(RuntimeError, match="tile_m"):
+    with pytest.raises(RuntimeError, match="tile"):
         torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, bits, n, k, 0, torch.float16, None, 96)
+    with pytest.raises(RuntimeError, match="tile"):
+        torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, bits, n, k, 0, torch.float16, None, 256, 256)

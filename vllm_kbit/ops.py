@@ -18,7 +18,8 @@ as opaque and hand it back to `gemm` unchanged.
       FP8 (e4m3) activations, per-token scales; w_exp: fp8_act.weight_exponent of the layer
   kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the kernel's k order, s_x fp32 [M])
   kbit::gemm_fp8_quantized(x_q, s_x, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias?,
-                           tile_m=0) -> y   (tile_m 64 / 128 / 256 forces the kernel's token tile)
+                           tile_m=0, tile_n=0) -> y   (a nonzero tile forces the kernel's CTA tile:
+                           64x128, 128x128, 256x128 or 128x256 tokens x columns)
 The two MoE ops serve vLLM's MoE layer (vllm_kbit/moe.py): experts repacked one by one and
 stacked (moe.repack_experts), pairs (token, expert) grouped in blocks of block_m as vLLM's
 moe_align_block_size lays them out.
@@ -49,7 +50,8 @@ _lib.define("gemm_fp8(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, i
             "int w_exp, Tensor? bias=None) -> Tensor")
 _lib.define("quantize_act_fp8(Tensor x, int bits) -> (Tensor, Tensor)")
 _lib.define("gemm_fp8_quantized(Tensor x_q, Tensor x_scale, Tensor packed, Tensor absmax, Tensor codebook, "
-            "int bits, SymInt n, SymInt k, int w_exp, ScalarType dtype, Tensor? bias=None, int tile_m=0) -> Tensor")
+            "int bits, SymInt n, SymInt k, int w_exp, ScalarType dtype, Tensor? bias=None, int tile_m=0, "
+            "int tile_n=0) -> Tensor")
 
 # VLLM_KBIT_REFERENCE=1: run the reference on every device, on purpose (to compare against it).
 REFERENCE_REQUESTED = os.environ.get("VLLM_KBIT_REFERENCE", "0") == "1"
@@ -205,7 +207,7 @@ def _quantize_act_fp8_ref(x, bits):
 
 
 def _gemm_fp8_quantized_ref(x_q, x_scale, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias=None,
-                            tile_m=0):
+                            tile_m=0, tile_n=0):
     w_q = fp8_act.weight_e4m3(packed, absmax, bits, codebook, w_exp)
     return fp8_act.gemm_from_quantized(fp8_act.unpermute(x_q, bits), x_scale, w_q, w_exp, bias, dtype).to(dtype)
 
@@ -251,7 +253,8 @@ def _quantize_act_fp8_fake(x, bits):
 
 
 @torch.library.register_fake("kbit::gemm_fp8_quantized")
-def _gemm_fp8_quantized_fake(x_q, x_scale, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias=None, tile_m=0):
+def _gemm_fp8_quantized_fake(x_q, x_scale, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias=None, tile_m=0,
+                             tile_n=0):
     return x_q.new_empty((x_q.shape[0], n), dtype=dtype)
 
 

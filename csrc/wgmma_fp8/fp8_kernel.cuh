@@ -19,7 +19,8 @@
 //     block, so each wgmma m64 takes one row tile from each warp (the epilogue maps rows back).
 //     Two accumulator sets of 64 x MT: MT fp32 a thread. Two CTAs per SM (K=5 at MT = 128: one,
 //     214 registers). MT = 256 (Cfg::kTall): two consumer warpgroups, each warp one row tile, so
-//     each decoded weight feeds 256 tokens; one CTA per SM.
+//     each decoded weight feeds 256 tokens; one CTA per SM. CN = 256 columns (Cfg::kWide): two
+//     consumer warpgroups on four slabs sharing the x tile, half the x traffic; one CTA per SM.
 //   * K-tile = 128 k (two layout units), so the x tile has the same 128-byte rows and 128 B
 //     swizzle as the fp16 kernel's and a k32 step is +32 B on the descriptor; one mbarrier a
 //     stage (x box + each slab's planes and absmax: four bulk copies, one arrival).
@@ -85,18 +86,28 @@ __host__ __device__ constexpr int act_source_k(int bits, int p) {
   return 16 * (e >> 2) + 8 * ((e >> 1) & 1) + 2 * t + (e & 1);
 }
 
-template <int BITS, int MT> struct Cfg {
+template <int BITS, int MT, int CN> struct Cfg {
   static_assert(MT == 64 || MT == 128 || MT == 256, "tokens per CTA (wgmma N): 64, 128 or 256");
+  static_assert(CN == 128 || (CN == 256 && MT <= 128), "128 columns, or 256 up to 128 tokens");
   // The tall CTA (MT = 256): two consumer warpgroups on the same x tile, warp w of warpgroup wg
   // decoding only row tile 2 (w >> 1) + wg of slab w & 1 (one accumulator set of 64 x 256), so
   // each decoded weight feeds 256 tokens: half the decode per MMA of the 128-token tile. One CTA
   // per SM (its 128 fp32 accumulators a thread, 8 consumer warps).
   static constexpr bool kTall = MT == 256;
-  static constexpr int kWG = kTall ? 2 : 1;                  // consumer warpgroups
+  // The wide CTA (CN = 256): two consumer warpgroups, each the 128-column CTA's work on slabs
+  // 2 wg and 2 wg + 1, sharing one x tile: half the x traffic per MMA (the shared-memory fills
+  // from L2 are what bound the 128 x 128 tile at large M). One CTA per SM.
+  static constexpr bool kWide = CN == 256;
+  static constexpr int kWG = kTall || kWide ? 2 : 1;        // consumer warpgroups
   static constexpr int kSets = kTall ? 1 : 2;                // accumulator sets (row tiles) a warp
   static constexpr int kConsumers = 128 * kWG;               // the warps that decode and multiply
-  static constexpr int kThreads = kConsumers + 32;           // and one warp that loads
-  static constexpr int kSlabs = 2;                           // 64-column slabs per CTA
+  // and the loads' issuer: one warp; in the wide CTA a whole warpgroup, which gives its registers
+  // to the consumers (setmaxnreg 40 / 232: 128 x 40 + 256 x 232 <= 64 K, launched with 168 a
+  // thread). ptxas allocates a wgmma kernel's registers per warpgroup, so a lone producer warp
+  // next to two consumer warpgroups caps them at 168 and serialises their wgmmas (C7512).
+  static constexpr bool kProducerWG = kWide;
+  static constexpr int kThreads = kConsumers + (kProducerWG ? 128 : 32);
+  static constexpr int kSlabs = CN / kUnitN;                 // 64-column slabs per CTA
   static constexpr int kColumns = kSlabs * kUnitN;
   static constexpr int kTileUnits = 2;                       // layout units along K per K-tile
   static constexpr int kTileK = kTileUnits * kUnitK;         // 128 k: one 128 B swizzle row of e4m3
@@ -108,8 +119,8 @@ template <int BITS, int MT> struct Cfg {
   static constexpr int kWBytes = kSlabs * (kSlabPlaneBytes + kSlabAbsBytes);
   static constexpr int kStageBytes = kXBytes + (kWBytes + 1023) / 1024 * 1024;
   static constexpr int kLutBytes = PairTable<BITS>::kLutBytes;  // a multiple of 1 KB
-  // shared memory: two CTAs per SM (228 KB, 1 KB each reserved), or the tall CTA alone
-  static constexpr int kBudget = kTall ? 226 * 1024 : 113 * 1024;
+  // shared memory: two CTAs per SM (228 KB, 1 KB each reserved), or the tall / wide CTA alone
+  static constexpr int kBudget = kWG == 2 ? 226 * 1024 : 113 * 1024;
   static constexpr int kFit = (kBudget - 1024 - kLutBytes - 128) / kStageBytes;
   static constexpr int kStages = kFit > 6 ? 6 : kFit;
   static constexpr int kBytes = 1024 + kLutBytes + kStages * kStageBytes + 16 * kStages;
@@ -226,17 +237,19 @@ __device__ __forceinline__ void decode_block(const uint32_t (&planes)[BITS], uin
 
 // Grid (token tiles, column groups): the token tiles of one column group run next to each
 // other, so the W they share comes from DRAM once.
-template <int BITS, int MT, typename T>
-__global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) gemm_kernel(const Params p, const __grid_constant__ CUtensorMap xmap) {
+template <int BITS, int MT, int CN, typename T>
+__global__ void __launch_bounds__(Cfg<BITS, MT, CN>::kThreads, 1) gemm_kernel(const Params p, const __grid_constant__ CUtensorMap xmap) {
 #if KBIT_FP8_DEVICE
-  using C = Cfg<BITS, MT>;
+  using C = Cfg<BITS, MT, CN>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw_addr + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (base - raw_addr);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-  // consumer warp w of warpgroup wg: slab w & 1, plane word h = w >> 1, row tiles 2h + qp0 + r
-  const int wg = warp >> 2, slab = warp & 1, h = (warp >> 1) & 1, qp0 = C::kTall ? wg : 0;
+  // consumer warp w of warpgroup wg: slab w & 1 (+ 2 wg in the wide CTA), plane word h = w >> 1,
+  // row tiles 2h + qp0 + r
+  const int wg = warp >> 2, slab = (C::kWide ? 2 * wg : 0) + (warp & 1), h = (warp >> 1) & 1;
+  const int qp0 = C::kTall ? wg : 0;
   constexpr int kSets = C::kSets;
   const int m0 = blockIdx.x * MT;
   const int nus = n_units(p.n), ku_count = p.ku_count;
@@ -258,12 +271,13 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) gemm_kernel(const 
                                                      reinterpret_cast<uint32_t*>(smem), tid, C::kThreads);
   __syncthreads();  // barriers initialised, the pair table written
 
-  if (warp == C::kConsumers / 32) {
+  if (warp >= C::kConsumers / 32) {
+    if constexpr (C::kProducerWG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     // The producer warp (one lane): K-tile i -> stage i % kStages once the consumers have handed
     // it back: the x box (zeros past M and K), then each slab's planes and absmax of the tile's
     // units (a slab past N copies the last one: read, never stored). Outside the consumers'
     // code, so no load issue sits between their wgmma instructions (ptxas serialises them then).
-    if (lane == 0) {
+    if (warp == C::kConsumers / 32 && lane == 0) {
       for (int i = 0; i < nt; ++i) {
         const int sg = i % C::kStages, ku = i * C::kTileUnits, units = min(C::kTileUnits, ku_count - ku);
         if (i >= C::kStages) mbar_wait(empty0 + 8 * sg, ((i / C::kStages) - 1) & 1);
@@ -284,6 +298,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT>::kThreads, 1) gemm_kernel(const 
     }
     return;
   }
+  if constexpr (C::kProducerWG) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const uint32_t lut_addr = opaque(lut_base + 4u * (lane % kLutReplicas));
 
   float acc[kSets][C::kAcc];
@@ -392,12 +407,13 @@ inline cudaError_t make_xq_map(const uint8_t* xq, int m, int k, int mt, CUtensor
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <int BITS, int MT, typename T> cudaError_t launch_tile(const Params& p, const uint8_t* xq, cudaStream_t stream) {
-  using C = Cfg<BITS, MT>;
+template <int BITS, int MT, int CN, typename T>
+cudaError_t launch_tile(const Params& p, const uint8_t* xq, cudaStream_t stream) {
+  using C = Cfg<BITS, MT, CN>;
   alignas(64) CUtensorMap xmap;
   const cudaError_t e = make_xq_map(xq, p.m, p.k, MT, &xmap);
   if (e != cudaSuccess) return e;
-  const auto kernel = gemm_kernel<BITS, MT, T>;
+  const auto kernel = gemm_kernel<BITS, MT, CN, T>;
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kBytes);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(div_up(p.m, MT), div_up(n_units(p.n), C::kSlabs));

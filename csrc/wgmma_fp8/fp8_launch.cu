@@ -34,12 +34,14 @@ bool quantize_supported() { return gemm_supported(); }
 int max_weight_exp() { return kMaxWeightExp; }
 int min_weight_exp() { return kMinWeightExp; }
 
-// 256 tokens (the tall CTA, one per SM) where its CTAs fill the SMs; else 128 (two per SM)
-// where those fill them; else 64.
-int choose_tile_m(int m, int n, int num_sms) {
-  const long long groups = div_up(n_units(n), 2);
-  if ((long long)div_up(m, 256) * groups >= num_sms) return 256;
-  return (long long)div_up(m, 128) * groups < num_sms ? 64 : 128;
+// 128 tokens x 256 columns (the wide CTA, one per SM) where those CTAs fill the SMs: the x
+// tile serves twice the columns, and the shared-memory fills from L2 are what bound the 128 x 128
+// tile at large M. Else 128 x 128 (two per SM) where those fill them, else 64 x 128.
+Tile choose_tile(int m, int n, int num_sms) {
+  const long long groups128 = div_up(n_units(n), 2), groups256 = div_up(n_units(n), 4);
+  if ((long long)div_up(m, 128) * groups256 >= num_sms) return {128, 256};
+  if ((long long)div_up(m, 128) * groups128 >= num_sms) return {128, 128};
+  return {64, 128};
 }
 
 cudaError_t launch_quantize_act(OutType dtype, const void* x, uint8_t* xq, float* scale, int m, int k, int bits,
@@ -58,19 +60,26 @@ cudaError_t launch_quantize_act(OutType dtype, const void* x, uint8_t* xq, float
   return cudaGetLastError();
 }
 
-cudaError_t launch_gemm(const GemmArgs& a, int tile_m, int num_sms, cudaStream_t stream) {
+cudaError_t launch_gemm(const GemmArgs& a, int tile_m, int tile_n, int num_sms, cudaStream_t stream) {
   if (a.m < 1 || a.n < 1 || a.k < 32 || a.k % 32 != 0 || a.bits < 2 || a.bits > 5) return cudaErrorInvalidValue;
   if (a.w_exp > kMaxWeightExp || a.w_exp < kMinWeightExp) return cudaErrorInvalidValue;
-  if (tile_m != 0 && tile_m != 64 && tile_m != 128 && tile_m != 256) return cudaErrorInvalidValue;
+  Tile tile = {tile_m, tile_n};
+  if (tile_m == 0 && tile_n == 0) {
+    tile = choose_tile(a.m, a.n, num_sms > 0 ? num_sms : 1);
+  } else {
+    if (tile.m == 0) tile.m = 128;
+    if (tile.n == 0) tile.n = 128;
+    const bool ok = (tile.n == 128 && (tile.m == 64 || tile.m == 128 || tile.m == 256)) || (tile.n == 256 && tile.m == 128);
+    if (!ok) return cudaErrorInvalidValue;
+  }
   const auto misaligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) != 0; };
   if (misaligned(a.xq) || misaligned(a.packed) || misaligned(a.absmax)) return cudaErrorInvalidValue;
   if (!gemm_supported()) return cudaErrorNotSupported;
-  const int mt = tile_m != 0 ? tile_m : choose_tile_m(a.m, a.n, num_sms > 0 ? num_sms : 1);
   switch (a.bits) {
-    case 2: return detail::launch_bits<2>(a, mt, stream);
-    case 3: return detail::launch_bits<3>(a, mt, stream);
-    case 4: return detail::launch_bits<4>(a, mt, stream);
-    default: return detail::launch_bits<5>(a, mt, stream);
+    case 2: return detail::launch_bits<2>(a, tile.m, tile.n, stream);
+    case 3: return detail::launch_bits<3>(a, tile.m, tile.n, stream);
+    case 4: return detail::launch_bits<4>(a, tile.m, tile.n, stream);
+    default: return detail::launch_bits<5>(a, tile.m, tile.n, stream);
   }
 }
 

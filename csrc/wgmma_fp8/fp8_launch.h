@@ -14,8 +14,10 @@ enum class OutType { kHalf, kBFloat16 };
 bool gemm_supported();
 bool quantize_supported();
 
-// Tokens per CTA the GEMM takes for this shape: 256, 128 or 64 (fp8_launch.cu).
-int choose_tile_m(int m, int n, int num_sms);
+// The CTA tile (tokens, columns) the GEMM takes for this shape (fp8_launch.cu): 128 x 256,
+// 128 x 128 or 64 x 128; 256 x 128 is forced only.
+struct Tile { int m, n; };
+Tile choose_tile(int m, int n, int num_sms);
 
 // x [m, k] (fp16 / bf16, 16 B aligned, k % 32 == 0) -> xq [m, k] e4m3 in the GEMM's k order for
 // `bits`, scale [m] fp32.
@@ -33,15 +35,16 @@ struct GemmArgs {
   int m, n, k, bits, w_exp;
   OutType dtype;
 };
-// tile_m 0 picks with choose_tile_m; 64, 128 or 256 force it.
-cudaError_t launch_gemm(const GemmArgs& a, int tile_m, int num_sms, cudaStream_t stream);
+// tile_m = tile_n = 0 picks with choose_tile; else (64, 128), (128, 128), (256, 128) or (128, 256),
+// a 0 standing for 128.
+cudaError_t launch_gemm(const GemmArgs& a, int tile_m, int tile_n, int num_sms, cudaStream_t stream);
 
 // The largest / smallest weight exponent r the kernel takes (the pair table stays finite in fp16).
 int max_weight_exp();
 int min_weight_exp();
 
 namespace detail {
-template <int BITS> cudaError_t launch_bits(const GemmArgs& a, int tile_m, cudaStream_t stream);
+template <int BITS> cudaError_t launch_bits(const GemmArgs& a, int tile_m, int tile_n, cudaStream_t stream);
 }
 
 }  // namespace fp8
