@@ -14,6 +14,12 @@ as opaque and hand it back to `gemm` unchanged.
   kbit::moe_gemm(x, packed[E], absmax[E], codebook, bits, n, k, sorted_token_ids, expert_ids,
                  num_tokens_post_padded, block_m, top_k, topk_weights?) -> y[T*top_k, n]
   kbit::dequantize_experts(packed[E], absmax[E], codebook, bits, n, k, dtype) -> W[E, n, k]
+  kbit::gemm_fp8(x, packed, absmax, codebook, bits, n, k, w_exp, bias?) -> y[M, n]
+      FP8 (e4m3) activations, per-token scales; w_exp: fp8_act.weight_exponent of the layer
+  kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the kernel's k order, s_x fp32 [M])
+  kbit::gemm_fp8_quantized(x_q, s_x, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias?,
+                           tile_m=0, tile_n=0) -> y   (a nonzero tile forces the kernel's CTA tile:
+                           64x128, 128x128, 256x128 or 128x256 tokens x columns)
 The two MoE ops serve vLLM's MoE layer (vllm_kbit/moe.py): experts repacked one by one and
 stacked (moe.repack_experts), pairs (token, expert) grouped in blocks of block_m as vLLM's
 moe_align_block_size lays them out. Their codebook is float32 [2^bits], one for all experts,
@@ -29,6 +35,7 @@ import os
 import torch
 
 from vllm_kbit import format as kf
+from vllm_kbit import fp8_act
 
 _lib = torch.library.Library("kbit", "DEF")
 _lib.define("repack(Tensor qweight, Tensor absmax, int bits) -> (Tensor, Tensor)")
@@ -40,6 +47,12 @@ _lib.define("moe_gemm(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, i
             "int block_m, int top_k, Tensor? topk_weights=None) -> Tensor")
 _lib.define("dequantize_experts(Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, "
             "SymInt k, ScalarType dtype) -> Tensor")
+_lib.define("gemm_fp8(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, SymInt k, "
+            "int w_exp, Tensor? bias=None) -> Tensor")
+_lib.define("quantize_act_fp8(Tensor x, int bits) -> (Tensor, Tensor)")
+_lib.define("gemm_fp8_quantized(Tensor x_q, Tensor x_scale, Tensor packed, Tensor absmax, Tensor codebook, "
+            "int bits, SymInt n, SymInt k, int w_exp, ScalarType dtype, Tensor? bias=None, int tile_m=0, "
+            "int tile_n=0) -> Tensor")
 
 # VLLM_KBIT_REFERENCE=1: run the reference on every device, on purpose (to compare against it).
 REFERENCE_REQUESTED = os.environ.get("VLLM_KBIT_REFERENCE", "0") == "1"
@@ -198,6 +211,20 @@ def _dequantize_experts_ref(packed, absmax, codebook, bits, n, k, dtype):
     return out
 
 
+def _gemm_fp8_ref(x, packed, absmax, codebook, bits, n, k, w_exp, bias=None):
+    return fp8_act.gemm_ref(x, packed, absmax, codebook, bits, n, k, w_exp, bias)
+
+
+def _quantize_act_fp8_ref(x, bits):
+    return fp8_act.quantize_act(x, bits)
+
+
+def _gemm_fp8_quantized_ref(x_q, x_scale, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias=None,
+                            tile_m=0, tile_n=0):
+    w_q = fp8_act.weight_e4m3(packed, absmax, bits, codebook, w_exp)
+    return fp8_act.gemm_from_quantized(fp8_act.unpermute(x_q, bits), x_scale, w_q, w_exp, bias, dtype).to(dtype)
+
+
 _REF_KEYS = ["CPU"] if HAS_CUDA_KERNELS else ["CPU", "CUDA"]
 for _key in _REF_KEYS:
     _lib.impl("repack", _repack_ref, _key)
@@ -205,6 +232,9 @@ for _key in _REF_KEYS:
     _lib.impl("quantize", _quantize_ref, _key)
     _lib.impl("moe_gemm", _moe_gemm_ref, _key)
     _lib.impl("dequantize_experts", _dequantize_experts_ref, _key)
+    _lib.impl("gemm_fp8", _gemm_fp8_ref, _key)
+    _lib.impl("quantize_act_fp8", _quantize_act_fp8_ref, _key)
+    _lib.impl("gemm_fp8_quantized", _gemm_fp8_quantized_ref, _key)
 
 
 # ----------------------------------------------------------------------------- fake kernels
@@ -223,6 +253,22 @@ def _moe_gemm_fake(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, ex
 @torch.library.register_fake("kbit::dequantize_experts")
 def _dequantize_experts_fake(packed, absmax, codebook, bits, n, k, dtype):
     return packed.new_empty((packed.shape[0], n, k), dtype=dtype)
+
+
+@torch.library.register_fake("kbit::gemm_fp8")
+def _gemm_fp8_fake(x, packed, absmax, codebook, bits, n, k, w_exp, bias=None):
+    return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake("kbit::quantize_act_fp8")
+def _quantize_act_fp8_fake(x, bits):
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+@torch.library.register_fake("kbit::gemm_fp8_quantized")
+def _gemm_fp8_quantized_fake(x_q, x_scale, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias=None, tile_m=0,
+                             tile_n=0):
+    return x_q.new_empty((x_q.shape[0], n), dtype=dtype)
 
 
 @torch.library.register_fake("kbit::repack")
@@ -252,6 +298,16 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: 
     if x.shape[-1] != k:
         raise ValueError(f"kbit gemm: x has {x.shape[-1]} features in its last dim, the layer expects k = {k}")
     y = torch.ops.kbit.gemm(x.reshape(-1, k).contiguous(), packed, absmax, codebook, bits, n, k, bias)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def gemm_fp8(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
+             bits: int, n: int, k: int, w_exp: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ bias) with x quantized per token to e4m3 (fp8_act describes the function);
+    w_exp: fp8_act.weight_exponent of the layer's absmax, computed once at load time."""
+    if x.shape[-1] != k:
+        raise ValueError(f"kbit gemm_fp8: x has {x.shape[-1]} features in its last dim, the layer expects k = {k}")
+    y = torch.ops.kbit.gemm_fp8(x.reshape(-1, k).contiguous(), packed, absmax, codebook, bits, n, k, w_exp, bias)
     return y.reshape(*x.shape[:-1], n)
 
 
