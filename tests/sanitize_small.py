@@ -36,7 +36,7 @@ for bits in (2, 3, 4, 5):
             bias = torch.randn(n, device=dev, dtype=torch.float16)
             ref = x.double() @ w64.t() + bias.double()
             for splits in (1, 2, 3):
-                y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, bias, 1, splits, OV)
+                y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, bias, ops.Path.GEMV, splits, OV)
                 err = float((y.double() - ref).norm() / ref.norm())
                 ok &= err < 2e-3
         print(f"bits={bits} n={n} k={k}: {'ok' if ok else 'FAIL'}", flush=True)
@@ -52,7 +52,7 @@ for bits in (4, 5):
     w64 = kf.dequantize(q, a, bits, cb, dtype=torch.float64)
     for m in (4, 9, 16):  # one n8 tile of x, two
         x = torch.randn(m, k, device=dev, dtype=torch.float16)
-        y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, 4, OV)
+        y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, ops.Path.GEMV, 4, OV)
         ref = x.double() @ w64.t()
         ok &= float((y.double() - ref).norm() / ref.norm()) < 2e-3
     print(f"bits={bits} n={n} k={k} splits=4: {'ok' if ok else 'FAIL'}", flush=True)

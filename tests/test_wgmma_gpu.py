@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import gemm_cases
+from vllm_kbit import ops
 from gemm_cases import OVERRIDES, weight
 
 pytestmark = pytest.mark.gpu
 
-DEQUANT_PATH, WGMMA_PATH = 3, 4
+DEQUANT_PATH, WGMMA_PATH = ops.Path.DEQUANT, ops.Path.WGMMA
 ALL_M = [17, 31, 32, 33, 48, 64, 127, 128, 255, 256, 512, 1000, 1024, 4096]
 
 
@@ -25,10 +26,7 @@ if not gemm_cases.have("has_wgmma"):
 
 
 def plan(m, n, k, bits, dtype=torch.float16, splits=0):
-    tile_m, s, gx, gy, gz, cols, per_sm, rows, cps, groups = torch.ops.kbit.wgmma_plan(
-        m, n, k, bits, dtype, splits, gemm_cases.overrides())
-    return dict(tile_m=tile_m, splits=s, grid=(gx, gy, gz), cols=cols, per_sm=per_sm, row_split=rows, built_per_sm=cps,
-                groups=groups)
+    return ops.wgmma_plan(m, n, k, bits, dtype, splits, gemm_cases.overrides())._asdict()
 
 
 def check(m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0, splits=0):
