@@ -331,7 +331,7 @@ def test_gemv_plan_on_device():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gemv_short_k_narrow_plan(dtype, bits):
     """Phi-3-mini's qkv (9216x3072: 144 slabs of 48 units) through the op's own dispatch: on an
-    H200 four 4-warp CTAs per SM at S = 3, four units a warp (csrc/dispatch/gemv_plan.h, kNarrowMinUnits)."""
+    H200 four 4-warp CTAs per SM at S = 3, four units a warp (csrc/dispatch/gemv_plan.h, gemv_narrow_min_units)."""
     for m in (1, 5, 8, 9, 16):
         _check_gemm(9216, 3072, bits, dtype, m, bias=bool(m % 2))
 

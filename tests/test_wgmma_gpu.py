@@ -1,4 +1,4 @@
-"""wgmma kbit GEMM (csrc/wgmma/wgmma_kernel.cuh, Hopper sm_90a) on the GPU, through
+"""wgmma kbit GEMM (csrc/wgmma/, Hopper sm_90a) on the GPU, through
 torch.ops.kbit.gemm_path(path=4).
 
 The checks (tests/gemm_cases.py): repack + kernel against a float64 matmul of the dequantized
@@ -253,7 +253,7 @@ def test_cluster_groups_plan(zeroed, monkeypatch):
 def test_row_split_plan(monkeypatch):
     # one warpgroup at 16 tokens; two at 64 and 128 (forced at M = 200, where the plan takes the
     # 256-token tile, whose two warpgroups are fixed); at 32 where a CTA runs <= 48 K-tiles
-    # (kShortChunk)
+    # (wgmma_short_chunk)
     assert plan(16, 57344, 8192, 4)["row_split"] == 1 and plan(9, 1000, 4128, 4)["row_split"] == 1
     assert plan(64, 57344, 8192, 4)["row_split"] == 2
     with monkeypatch.context() as mp:
@@ -280,7 +280,7 @@ def test_plans_use_split_k_and_not():
 
 
 def test_split_cost_at_tile_128(monkeypatch):
-    # At MT = 128 a split CTA pays its 128 KB reduction (kSplitCost128): 4096x14336 at M = 512
+    # At MT = 128 a split CTA pays its 128 KB reduction (wgmma_split_cost128): 4096x14336 at M = 512
     # (64 tiles) still splits, while on the H200's 132 SMs 28672x4096 at M = 576 (560 tiles) and
     # 4096x14336 at M = 704 (96 tiles) run unsplit, which a cost of 0 (the plan before) did not.
     # (128-token tiles forced: the plan takes 256-token ones at some of these, test_tall_pick.)

@@ -88,14 +88,14 @@ inline XrPlan choose_xr(const Heuristics& h, int m, int nu, int ku, int bits, in
 //   * slabs <= SMs: one 16-warp CTA per SM, the largest S whose clusters all run at once;
 //   * M > 8: the same beyond 4 SMs of slabs too; four 4-warp CTAs per SM between;
 //   * SMs < slabs <= 4 SMs: four 4-warp CTAs per SM, the largest S with slabs * S <= 4 SMs
-//     while each warp streams >= kNarrowMinUnits units;
+//     while each warp streams >= gemv_narrow_min_units units;
 //   * else (M <= 8): two 8-warp CTAs per SM when every warp still streams >= 8 units, one per
 //     SM otherwise.
 // Where x stays in registers at M > 8 (devices without the ring) a layer of SMs < slabs <= 4 SMs
 // keeps the 4-warp split with 8-warp CTAs: slower, not wrong.
 inline Plan choose_plan_classic(const Heuristics& h, int m, int nu, int ku, int num_sms, const Clusters& cl) {
   const int s_max = ku < kMaxSplits ? ku : kMaxSplits;
-  // four CTAs per SM: the largest S with NU * S <= 4 SMs and >= kNarrowMinUnits units per warp
+  // four CTAs per SM: the largest S with NU * S <= 4 SMs and >= gemv_narrow_min_units units per warp
   const auto largest_narrow = [&]() {
     int s = 1;
     while (s < s_max && (long long)nu * (s + 1) <= 4LL * num_sms &&

@@ -3,7 +3,7 @@
 // every tuned threshold and cost from a Heuristics; the rules themselves stay in the planners.
 // A new GPU is a new table here (and a line in choose_heuristics), not a code change.
 // Host code only, torch-free, no CUDA headers: the CPU replays in tests/cpp use the tables as
-// they are, and tests/test_heuristics.py reads this file.
+// they are, and the Python tests read this file (tests/heuristics_tables.py).
 //
 // Where the numbers come from (docs/DESIGN.md, "Heuristics as data"): the GEMV and wgmma cost
 // models and the path thresholds were fitted to forced sweeps on the H200 and then checked on

@@ -81,9 +81,9 @@ inline int plan_split(const Heuristics& h, long long tiles, int ku, int num_sms,
 // Split-K over G > 1 clusters of c CTAs each, their sums added through a global workspace, for
 // layers whose few tiles leave SMs idle at one CTA per SM because the clusters that would fill
 // them do not all fit (a device holds fewer clusters of s than SMs / s). Each CTA writes its
-// slice of the cluster sum and the last of the G reads G of them: kGroupSliceCost per 128 KB in
-// choose_splits' units (Heuristics::wgmma_group_slice_cost). Returns G and the cluster size in *c_out (s, the unsplit-group plan's
-// cluster, where G = 1).
+// slice of the cluster sum and the last of the G reads G of them: Heuristics::
+// wgmma_group_slice_cost per 128 KB in choose_splits' units. Returns G and the cluster size in
+// *c_out (s, the unsplit-group plan's cluster, where G = 1).
 inline int choose_groups(const Heuristics& h, long long tiles, int ku, int num_sms, const Occupancy& occ, int split_cost, int s,
                          int* c_out, long long* cost_out = nullptr) {
   constexpr int kAlone = 10, kFixed = 3 * kAlone;  // choose_splits' units, one CTA per SM
@@ -107,12 +107,12 @@ inline int choose_groups(const Heuristics& h, long long tiles, int ku, int num_s
 }
 
 // 256-token tiles (128 columns, each decoded weight feeding twice the tokens) against the
-// 128-token plan, in choose_splits' units: a tall CTA's K-tile costs kTallK / 10 of them. Never
-// below kTallMinM rows or where the last token tile holds 64 rows or fewer (the TMA zero fill of
-// the rows past M makes those tiles far slower). Where the unsplit tall grid leaves SMs idle
-// (under two waves), tall CTAs may split along K in clusters of up to kTallMaxSplits, at
-// kTallSplitCost + split_cost a CTA, if that beats the unsplit tall plan by kTallSplitGain / 10.
-// (kTallMinM .. kTallSplitGain: Heuristics::wgmma_tall_*)
+// 128-token plan, in choose_splits' units: a tall CTA's K-tile costs wgmma_tall_k / 10 of them
+// (Heuristics::wgmma_tall_*). Never below wgmma_tall_min_m rows or where the last token tile holds
+// 64 rows or fewer (the TMA zero fill of the rows past M makes those tiles far slower). Where the
+// unsplit tall grid leaves SMs idle (under two waves), tall CTAs may split along K in clusters of
+// up to wgmma_tall_max_splits, at wgmma_tall_split_cost + split_cost a CTA, if that beats the
+// unsplit tall plan by wgmma_tall_split_gain / 10.
 // Returns 0 for the 128-token plan, else the tall plan's split (1: unsplit). `allow_split`: the
 // tall CTAs may split (the plan passes m <= wgmma_short_max_m: above it the tile picks
 // kbit::gemm's path, whose rule was measured with unsplit tall tiles).

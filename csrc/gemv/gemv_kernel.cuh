@@ -214,11 +214,11 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
 // The one-CTA-per-SM configurations (16 warps, and the 8-warp M > 8 one with x in registers)
 // of K=3,4 read a pair table with wide rows (PairTable::kWideLutBytes): one instruction less
 // per pair (Decoder), for up to 64 KB of padding and twice the table, which only a CTA alone
-// on its SM can spare, and only where the device lets one CTA have that much (launch_alone):
-// sm_90 (227 KB) always; sm_80 (163 KB) at M <= 8 (100-133 KB); sm_86 / sm_89 (99 KB) never.
-// Not the K=4 16-warp kernel with the x ring (M > 8), where it measured slower. The x-resident
-// kernels take the wide rows too (launch_xr). The plan override gemv.wide_table=0 takes the
-// packed table everywhere (same bits).
+// on its SM can spare, and only where the device lets one CTA have that much (the planner
+// weighs each kernel's shared memory, dispatch/gemv_plan.h): sm_90 (227 KB) always; sm_80
+// (163 KB) at M <= 8 (100-133 KB); sm_86 / sm_89 (99 KB) never. Not the K=4 16-warp kernel with
+// the x ring (M > 8), where it measured slower. The x-resident kernels take the wide rows too
+// (kernel_entry). The plan override gemv.wide_table=0 takes the packed table everywhere (same bits).
 template <int BITS, int MT, int W> constexpr bool wide_lut() {
   return Traits<BITS>::kLutEntries > 0 && min_blocks<MT, W>() == 1 && kLutReplicas == 32 &&
          !(BITS == 4 && MT == 2 && W == kWideWarps);

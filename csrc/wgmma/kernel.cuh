@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(Cfg<BITS, MT, CN, R, CPS>::kThreads, CPS)
   // (the tall CTA splits K in one cluster only, in its kSplitTall build: plan_wgmma keeps 128-token
   // tiles under forced cluster groups)
   static_assert(!kSplitTall || C::kTall, "kSplitTall: the tall CTA's split build only");
-  if constexpr (C::kTall && !kSplitTall) __trap();  // unreachable: launch_typed launches kSplitTall
+  if constexpr (C::kTall && !kSplitTall) __trap();  // unreachable: a split tall plan names kSplitTall
   reduce_split<BITS, MT, CN, R, CPS, T>(tl, p, acc);
 #else
   __trap();  // not sm_90a code: the host never launches this (wgmma_supported)

@@ -223,6 +223,26 @@ int main() {
     }
   }
 
+  // the device's table (heuristics.h): H100 and H200 by compute capability 9.0 and memory size,
+  // everything else the generic one
+  {
+    const auto facts = [](const char* name, int major, int minor, int sms, long long gib) {
+      DeviceFacts d;
+      d.name = name;
+      d.major = major;
+      d.minor = minor;
+      d.num_sms = sms;
+      d.l2_bytes = 50LL << 20;
+      d.global_mem_bytes = gib << 30;
+      return d;
+    };
+    EXPECT(&choose_heuristics(facts("NVIDIA H100 80GB HBM3", 9, 0, 132, 79)) == &kH100Heuristics, "H100 SXM");
+    EXPECT(&choose_heuristics(facts("NVIDIA H100 PCIe", 9, 0, 114, 79)) == &kH100Heuristics, "H100 PCIe");
+    EXPECT(&choose_heuristics(facts("NVIDIA H200", 9, 0, 132, 140)) == &kH200Heuristics, "H200");
+    EXPECT(&choose_heuristics(facts("NVIDIA A100-SXM4-80GB", 8, 0, 108, 79)) == &kGenericHeuristics, "A100");
+    EXPECT(&choose_heuristics(facts("NVIDIA L40S", 8, 9, 142, 44)) == &kGenericHeuristics, "L40S");
+  }
+
   // plan overrides: the strings the ops take
   {
     PlanOverrides o;
