@@ -1,6 +1,7 @@
 // The tuned numbers of the launch plans and the path rule, one table per GPU, chosen from the
-// device's properties. The planners (gemv_plan.h, mma_plan.h, wgmma_plan.h, path_rule.h) read
-// every tuned threshold and cost from a Heuristics; the rules themselves stay in the planners.
+// device's properties. The path rule, the GEMV plan and the wgmma plan (path_rule.h,
+// gemv_plan.h, wgmma_plan.h) read every tuned threshold and cost from a Heuristics; the rules
+// themselves stay in the planners (the mma.sync cost model keeps its constants in mma_plan.h).
 // A new GPU is a new table here (and a line in choose_heuristics), not a code change.
 // Host code only, torch-free, no CUDA headers: the CPU replays in tests/cpp use the tables as
 // they are, and the Python tests read this file (tests/heuristics_tables.py).
@@ -9,8 +10,8 @@
 // models and the path thresholds were fitted to forced sweeps on the H200 and then checked on
 // the H100 (docs/PERFORMANCE.md has both GPUs' figures); the H100 and H200 tables hold the same
 // values, so either GPU plans as before. The generic table serves GPUs without the wgmma kernel
-// (sm_80, sm_86, sm_89): the GEMV and mma.sync plans read only the SM count, the cluster
-// capacity and the shared memory from the device, so it keeps the same values.
+// (sm_80, sm_86, sm_89), whose GEMV and mma.sync plans adapt through the device facts they read
+// (SM count, cluster capacity, shared memory per CTA); it keeps the same values.
 #pragma once
 #include <cstring>
 

@@ -239,11 +239,6 @@ template <auto Kernel> cudaError_t opt_in_smem(int bytes) {
   return e;
 }
 
-// Whether the current device lets one CTA of layout S have its shared memory.
-template <typename S> bool device_fits() {
-  return S::kBytes <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
-}
-
 // Register (kXs: ring) stages of a warp's unit stream.
 // x resident at M <= 8 keeps the register kernels' depth (its stages hold no x, as the ring's).
 // At M > 8 a third stage would fit the resident kernels' 128 registers with a few spills, and
