@@ -8,7 +8,9 @@
 //     the device holds them, not as SMs / 4).
 #include <cstdio>
 
+#include <set>
 #include <string>
+#include <tuple>
 
 #include "dispatch/gemv_plan.h"
 #include "dispatch/heuristics.h"
@@ -65,6 +67,11 @@ static const GemvKernelFacts* h200_facts(const GemvKey& key) {
 static GemvPlan plan_on(int m, int n, int k, int bits, const GemvTarget& t, int splits, const GemvOverrides& o) {
   return plan_gemv_on(m, n, k, bits, DType::kHalf, t, splits, o, h200_facts);
 }
+
+// the kernels the plans above named: printed for tests/test_gemv_plan.py, which checks that
+// csrc/generate_instantiations.py builds each of them
+static std::set<std::tuple<int, int, int, int, int, int>> keys_seen;
+static void note_key(const GemvKey& k) { keys_seen.insert({k.bits, k.mt, k.warps, k.wide, k.x_smem, k.slabs}); }
 
 static void expect_plan(int m, int n, int k, int bits, int splits, int warps, int slabs) {
   const Plan p = plan(m, n, k, bits);
@@ -180,6 +187,7 @@ int main() {
       for (const int n : {4096, 6144, 28672, 128256}) {
         const Plan want = plan(m, n, 4096, bits);
         const GemvPlan got = plan_on(m, n, 4096, bits, h200, 0, GemvOverrides{});
+        note_key(got.key);
         EXPECT(got.splits == want.splits && got.warps() == want.warps && got.slabs() == want.slabs,
                "%dx4096 M=%d K=%d: plan_gemv_on differs from choose_plan", n, m, bits);
         // the key: this call's bit width, tile and x placement; the wide table wherever it is built
@@ -199,6 +207,7 @@ int main() {
         xreg.x_smem = false;
         xreg.x_resident = false;
         const GemvPlan r = plan_on(m, n, 4096, bits, h200, 0, xreg);
+        note_key(r.key);
         if (m > kGemvOneTileM)
           EXPECT(!r.key.x_smem && r.key.warps == kWarps, "gemv.x_smem=0: the 8-warp register kernel, M=%d", m);
       }
@@ -207,6 +216,7 @@ int main() {
       GemvTarget small = h200;
       small.smem_optin = 99 * 1024;
       const GemvPlan sp = plan_on(m, 28672, 4096, bits, small, 0, GemvOverrides{});
+      note_key(sp.key);
       EXPECT(sp.key.slabs == 0 && !sp.key.wide && (m <= kGemvOneTileM || (!sp.key.x_smem && sp.key.warps == kWarps)),
              "99 KB device, M=%d K=%d", m, bits);
       GemvOverrides off;
@@ -258,6 +268,9 @@ int main() {
     EXPECT(!parse_overrides("gemv.wide_table=2", &o).empty(), "a flag is 0 or 1");
     EXPECT(!parse_overrides("pdl", &o).empty() && !parse_overrides("pdl=x", &o).empty(), "key=integer only");
   }
+  for (const auto& k : keys_seen)
+    std::printf("key %d %d %d %d %d %d\n", std::get<0>(k), std::get<1>(k), std::get<2>(k), std::get<3>(k),
+                std::get<4>(k), std::get<5>(k));
   std::printf("gemv_plan_test: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }
