@@ -17,7 +17,7 @@ from bench_gemm import Timer, git_commit, kbit_method  # noqa: E402
 from vllm_kbit import ops  # noqa: E402  (loads the kernels)
 
 SHAPES = "4096x4096,6144x4096,4096x14336,8192x8192,10240x8192,8192x28672,28672x4096,57344x8192"
-WGMMA, BITS = 4, 4
+WGMMA, BITS = ops.Path.WGMMA, 4
 
 
 def main(out):
