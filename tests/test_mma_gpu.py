@@ -29,7 +29,9 @@ def run(x, packed, absmax, cb, bits, n, k, bias=None):
 
 
 def plan(m, n, k, bits):
-    return ops.mma_plan(m, n, k, bits, gemm_cases.overrides())._asdict()
+    p = ops.mma_plan(m, n, k, bits, gemm_cases.overrides())
+    return dict(cfg=p.config, tile_m=p.tile_m, tile_n=p.tile_n, splits=p.splits, kps=p.k_tiles_per_split,
+                items=p.items, grid=p.grid, ws=p.workspace_bytes, kernel=p.kernel)
 
 
 def check(m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0):

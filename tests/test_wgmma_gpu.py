@@ -26,7 +26,10 @@ if not gemm_cases.have("has_wgmma"):
 
 
 def plan(m, n, k, bits, dtype=torch.float16, splits=0):
-    return ops.wgmma_plan(m, n, k, bits, dtype, splits, gemm_cases.overrides())._asdict()
+    p = ops.wgmma_plan(m, n, k, bits, dtype, splits, gemm_cases.overrides())
+    return dict(tile_m=p.tile_m, splits=p.splits, grid=(p.grid_x, p.token_tiles, p.column_groups), cols=p.columns,
+                per_sm=p.launch_per_sm, row_split=p.row_split, built_per_sm=p.built_per_sm, groups=p.groups,
+                kernel=p.kernel)
 
 
 def check(m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0, splits=0):
