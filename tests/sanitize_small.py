@@ -38,7 +38,7 @@ for bits in (2, 3, 4, 5):
             bias = torch.randn(n, device=dev, dtype=torch.float16)
             ref = kc.matmul(x, w64, bias)
             for splits in (1, 2, 3):
-                y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, bias, 1, splits, OV)
+                y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, bias, ops.Path.GEMV, splits, OV)
                 ok &= kc.compare(y, ref) is None
         print(f"bits={bits} n={n} k={k}: {'ok' if ok else 'FAIL'}", flush=True)
 # clusters of four along K (with OVERRIDES gemv.slabs=15 or 16: x resident, one warp per slab, the
@@ -53,7 +53,7 @@ for bits in (4, 5):
     w64 = kf.dequantize(q, a, bits, cb, dtype=torch.float64)
     for m in (4, 9, 16):  # one n8 tile of x, two
         x = torch.randn(m, k, device=dev, dtype=torch.float16)
-        y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, 4, OV)
+        y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, ops.Path.GEMV, 4, OV)
         ok &= kc.compare(y, kc.matmul(x, w64)) is None
     print(f"bits={bits} n={n} k={k} splits=4: {'ok' if ok else 'FAIL'}", flush=True)
 torch.cuda.synchronize()

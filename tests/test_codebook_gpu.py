@@ -15,8 +15,9 @@ from vllm_kbit import ops
 
 pytestmark = pytest.mark.gpu
 
-PATHS = {1: None, 2: "has_mma", 3: None, 4: "has_wgmma"}  # None: in every build of the extension
-M_FOR_PATH = {1: (1, 4), 2: (33, 256), 3: (64, 300), 4: (64, 256)}
+PATHS = {ops.Path.GEMV: None, ops.Path.MMA: "has_mma", ops.Path.DEQUANT: None,
+         ops.Path.WGMMA: "has_wgmma"}  # None: in every build of the extension
+M_FOR_PATH = {ops.Path.GEMV: (1, 4), ops.Path.MMA: (33, 256), ops.Path.DEQUANT: (64, 300), ops.Path.WGMMA: (64, 256)}
 
 
 def available(path):

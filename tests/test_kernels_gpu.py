@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.gpu,
 
 DEV = "cuda"
 ALL_M = [1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 33, 64, 256, 1024]
-PATH_AUTO, PATH_GEMV, PATH_MMA, PATH_DEQUANT, PATH_WGMMA = 0, 1, 2, 3, 4
+PATH_AUTO, PATH_GEMV, PATH_MMA, PATH_DEQUANT, PATH_WGMMA = ops.Path.AUTO, ops.Path.GEMV, ops.Path.MMA, ops.Path.DEQUANT, ops.Path.WGMMA
 
 
 def _poison_allocator():
@@ -189,7 +189,7 @@ import sys
 import torch
 OV = sys.argv[2] if len(sys.argv) > 2 else ""
 from vllm_kbit import format as kf
-from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+from vllm_kbit import ops  # (registers torch.ops.kbit)
 from gemm_cases import capture_graph, replay_poisoned  # tests/ is on PYTHONPATH (_run_script)
 import kernel_check as kc
 
@@ -227,7 +227,7 @@ for n, k in ((1000, 2080), (12800, 2080), (520, 14336)):
         packed, ap, cb, w64 = weight(n, k, bits, g)
         for m in (1, 13, 16):
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-            y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, 0, OV)
+            y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, ops.Path.GEMV, 0, OV)
             out.append((y.cpu(), expected(x, w64)))
 torch.save(out, sys.argv[1])
 """
@@ -277,7 +277,7 @@ for n, k in ((1000, 2080), (12800, 2080)):
                 dtype = torch.float16 if (m + splits) % 2 else torch.bfloat16
                 x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
                 torch.full((m, n), float("nan"), device="cuda", dtype=dtype)  # freed: the block y reuses
-                y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, splits, OV)
+                y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, ops.Path.GEMV, splits, OV)
                 out.append((y.cpu(), expected(x, w64), str(dtype)))
 torch.save(out, sys.argv[1])
 """
@@ -306,30 +306,34 @@ def test_gemv_plan_on_device():
     15-slab CTAs of 15 warps, clusters of four; a 2048-column layer (32 slabs) at S = 3, not 4
     (32 clusters of four would run in two waves); Phi-3-mini's qkv in 4-warp CTAs at S = 3."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = list(torch.ops.kbit.gemv_plan(16, 28672, 4096, 4))
-    assert len(plan) == 11
-    cl = plan[3:]
+    def plan(m, n, k, bits):
+        p = ops.gemv_plan(m, n, k, bits)
+        return [p.splits, p.warps, p.slabs]
+
+    p = ops.gemv_plan(16, 28672, 4096, 4)
+    cl = list(p.clusters)
+    assert len(cl) == 8 and (p.bits, p.mt, p.chunk) == (4, 2, -(-64 // p.splits)), p
     if torch.cuda.get_device_capability()[0] < 9:
-        assert cl == [0] * 8 and plan[0] == 1
+        assert cl == [0] * 8 and p.splits == 1
         return
     assert cl[0] == sms, cl
     assert all(cl[s - 1] <= sms // s for s in range(1, 9)), cl
     assert all(a >= b for a, b in zip(cl, cl[1:])), cl
     if "H200" in torch.cuda.get_device_name() and sms == 132:
         assert cl == H200_CLUSTERS
-        assert plan[:3] == [4, 15, 15]
-        assert list(torch.ops.kbit.gemv_plan(16, 2048, 8192, 4))[:3] == [3, 16, 0]
-        assert list(torch.ops.kbit.gemv_plan(1, 28672, 4096, 3))[:3] == [4, 15, 15]  # K=3: resident at every M
-        assert list(torch.ops.kbit.gemv_plan(1, 28672, 4096, 4))[:3] == [4, 15, 15]  # K=4 too
-        assert list(torch.ops.kbit.gemv_plan(1, 4096, 4096, 4))[:3] == [2, 16, 0]
-        assert list(torch.ops.kbit.gemv_plan(16, 9216, 3072, 4))[:3] == [3, 4, 0]  # kNarrowMinUnits
+        assert plan(16, 28672, 4096, 4) == [4, 15, 15]
+        assert plan(16, 2048, 8192, 4) == [3, 16, 0]
+        assert plan(1, 28672, 4096, 3) == [4, 15, 15]  # K=3: resident at every M
+        assert plan(1, 28672, 4096, 4) == [4, 15, 15]  # K=4 too
+        assert plan(1, 4096, 4096, 4) == [2, 16, 0]
+        assert plan(16, 9216, 3072, 4) == [3, 4, 0]  # gemv_narrow_min_units
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gemv_short_k_narrow_plan(dtype, bits):
     """Phi-3-mini's qkv (9216x3072: 144 slabs of 48 units) through the op's own dispatch: on an
-    H200 four 4-warp CTAs per SM at S = 3, four units a warp (csrc/dispatch/gemv_plan.h, kNarrowMinUnits)."""
+    H200 four 4-warp CTAs per SM at S = 3, four units a warp (csrc/dispatch/gemv_plan.h, gemv_narrow_min_units)."""
     for m in (1, 5, 8, 9, 16):
         _check_gemm(9216, 3072, bits, dtype, m, bias=bool(m % 2))
 
@@ -393,7 +397,7 @@ for bits in (2, 4, 5):
     packed, ap, cb, w64 = weight(n, k, bits, g)
     for m in (1, 16, 64, 200):  # GEMV, GEMV with the x ring, wgmma 2-CTA tiles, 128-token tiles
         x_static = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-        gemm = lambda a: torch.ops.kbit.gemm_path(a, packed, ap, cb, bits, n, k, None, 0, 0, OV)  # the op's own path
+        gemm = lambda a: torch.ops.kbit.gemm_path(a, packed, ap, cb, bits, n, k, None, ops.Path.AUTO, 0, OV)  # the op's own path
         chain = lambda: (lambda y1: (y1, gemm(y1)))(gemm(x_static * 2))
         graph, (y1, y2) = capture_graph(chain)
         for _ in range(2):
@@ -502,7 +506,7 @@ def test_auto_dispatch_thresholds(bits):
         # wgmma_max_m where its plan takes 256-token tiles, then dequantize + cuBLAS
         s, w = torch.ops.kbit.wgmma_short_max_m(bits), torch.ops.kbit.wgmma_max_m(bits)
         assert d <= s < w
-        tall = torch.ops.kbit.wgmma_plan(w, narrow, k, bits, torch.float16)[0] == 256
+        tall = ops.wgmma_plan(w, narrow, k, bits, torch.float16).tile_m == 256
         expect += [(g + 1, narrow, PATH_WGMMA), (d, narrow, PATH_WGMMA), (s, narrow, PATH_WGMMA),
                    (w, narrow, PATH_WGMMA if tall else PATH_DEQUANT), (w + 1, narrow, PATH_DEQUANT)]
     else:  # elsewhere the mma.sync kernel up to dequant_min_m

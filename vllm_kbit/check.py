@@ -14,9 +14,9 @@ import sys
 
 import torch
 
-# kbit::gemm_path's path ids (csrc/binding.cpp) and an M each path serves
-_PATHS = (("GEMV", 1, 1, None), ("mma.sync", 2, 16, "has_mma"), ("wgmma", 4, 64, "has_wgmma"),
-          ("dequantize + cuBLAS", 3, 128, None))
+# kbit::gemm_path's paths (ops.Path) and an M each path serves
+_PATHS = (("GEMV", "GEMV", 1, None), ("mma.sync", "MMA", 16, "has_mma"), ("wgmma", "WGMMA", 64, "has_wgmma"),
+          ("dequantize + cuBLAS", "DEQUANT", 128, None))
 _TOL = 2e-2  # relative error of a bf16 product (tests/test_kernels_gpu.py's bound is tighter)
 
 
@@ -62,7 +62,8 @@ def arch_covered(arch_list: str, major: int, minor: int) -> bool:
 
 
 def _self_test(name: str, path: int, m: int) -> str:
-    """Run one kernel path on a random bf16 problem; its relative error against float64."""
+    """Run one kernel path on a random bf16 problem; the kernel that ran (its key) and its
+    relative error against float64."""
     from vllm_kbit import format as kf
     from vllm_kbit import ops
 
@@ -72,13 +73,14 @@ def _self_test(name: str, path: int, m: int) -> str:
     q, a, _ = ops.quantize(w.to(torch.bfloat16), bits, cb)
     packed, absmax = ops.repack(q, a, bits)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, path)
+    y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, int(path))
     torch.cuda.synchronize()
+    kernel = ops.gemm_kernel(m, n, k, bits, torch.bfloat16, path)
     ref = x.double() @ kf.dequantize(q, a, bits, cb, dtype=torch.float64).t()
     err = ((y.double() - ref).norm() / ref.norm()).item()
     if not err < _TOL:  # (NaN too)
         raise RuntimeError(f"relative error {err:.2e} against float64 (want < {_TOL})")
-    return f"{name} (M = {m}): ok, relative error {err:.1e}"
+    return f"{name} (M = {m}, {kernel}): ok, relative error {err:.1e}"
 
 
 def _moe_self_test() -> str:
@@ -105,7 +107,8 @@ def _moe_self_test() -> str:
     err = ((y.double() - ref).norm() / ref.norm()).item()
     if not err < _TOL:  # (NaN too)
         raise RuntimeError(f"relative error {err:.2e} against float64 (want < {_TOL})")
-    return f"MoE experts (moe_gemm, {m} tokens x top-{top_k}): ok, relative error {err:.1e}"
+    kernel = ops.moe_kernel(bits, torch.bfloat16)
+    return f"MoE experts (moe_gemm, {m} tokens x top-{top_k}, {kernel}): ok, relative error {err:.1e}"
 
 
 def _vllm_sees_kbit() -> tuple[bool | None, str]:
@@ -175,8 +178,9 @@ def run(out=sys.stdout) -> int:
                 wgmma_note = ": this build has no sm_90a code (TORCH_CUDA_ARCH_LIST without 9.0a)"
             else:
                 wgmma_note = ": not in this build"
-            say("kernel paths on this GPU:")
-            for name, path, m, flag in _PATHS:
+            say(f"kernel paths on this GPU (tuned table: {ops.heuristics_table()}):")
+            for name, path_name, m, flag in _PATHS:
+                path = ops.Path[path_name]
                 if flag is not None and not getattr(torch.ops.kbit, flag)():
                     say(f"  {name}: not available" + (wgmma_note if flag == "has_wgmma" else ": needs sm_80"))
                     continue

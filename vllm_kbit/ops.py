@@ -28,6 +28,7 @@ or [E, 2^bits], expert e decoding with row e (convert --fit-codebook fits one pe
 from __future__ import annotations
 
 import collections
+import enum
 import importlib
 import logging
 import os
@@ -340,27 +341,87 @@ def plan_overrides(overrides: dict | str | None = None) -> str:
     return ",".join(f"{key}={int(value)}" for key, value in overrides.items())
 
 
-# field names of the plan ops' lists, in order (csrc/binding.cpp documents them)
-GEMV_PLAN_FIELDS = ("splits", "warps", "slabs", "clusters")
-MMA_PLAN_FIELDS = ("config", "tile_m", "tile_n", "splits", "k_tiles_per_split", "items", "grid", "workspace_bytes")
-WGMMA_PLAN_FIELDS = ("tile_m", "splits", "grid_x", "token_tiles", "column_groups", "columns", "launch_per_sm",
-                     "row_split", "built_per_sm", "groups")
-
-GemvPlan = collections.namedtuple("GemvPlan", GEMV_PLAN_FIELDS)
-MmaPlan = collections.namedtuple("MmaPlan", MMA_PLAN_FIELDS)
-WgmmaPlan = collections.namedtuple("WgmmaPlan", WGMMA_PLAN_FIELDS)
+class Path(enum.IntEnum):
+    """kbit::gemm_path's path ids (csrc/dispatch/path_rule.h, Path): AUTO is kbit::gemm's rule."""
+    AUTO = 0
+    GEMV = 1
+    MMA = 2
+    DEQUANT = 3
+    WGMMA = 4
 
 
-def gemv_plan(m, n, k, bits, splits=0, overrides=None) -> GemvPlan:
-    """The GEMV's launch plan on the current device; `clusters`: how many clusters of 1..8
-    one-per-SM CTAs it runs at once."""
-    p = list(torch.ops.kbit.gemv_plan(m, n, k, bits, splits, plan_overrides(overrides)))
-    return GemvPlan(*p[:3], tuple(p[3:]))
+# field names of the plan ops' lists, in order (csrc/dispatch/plan_fields.h): the kernel's key,
+# then its launch. GemvPlan's clusters1..8 are gathered into one tuple field, `clusters`.
+GEMV_PLAN_FIELDS = ("bits", "dtype", "mt", "warps", "wide", "x_smem", "slabs", "splits", "chunk", "pdl",
+                    "pdl_trigger", "clusters")
+MMA_PLAN_FIELDS = ("bits", "dtype", "config", "tile_m", "tile_n", "splits", "k_tiles_per_split", "items", "grid",
+                   "workspace_bytes")
+WGMMA_PLAN_FIELDS = ("bits", "dtype", "tile_m", "columns", "row_split", "built_per_sm", "split_tall", "splits",
+                     "groups", "grid_x", "token_tiles", "column_groups", "launch_per_sm", "chunk", "spread", "y_tma",
+                     "pdl")
+_DTYPE_CODES = {0: "f16", 1: "bf16", 2: "f32"}  # the plan ops' dtype field (plan_fields.h, dtype_code)
 
 
-def mma_plan(m, n, k, bits, overrides=None) -> MmaPlan:
-    return MmaPlan(*torch.ops.kbit.mma_plan(m, n, k, bits, plan_overrides(overrides)))
+class GemvPlan(collections.namedtuple("GemvPlan", GEMV_PLAN_FIELDS)):
+    __slots__ = ()
+
+    @property
+    def kernel(self) -> str:
+        """The kernel's key as csrc/core/kernel_keys.h's describe() writes it."""
+        return (f"gemv<K{self.bits},{_DTYPE_CODES[self.dtype]},mt{self.mt},w{self.warps},"
+                f"{'wide' if self.wide else 'packed'},{'xsmem' if self.x_smem else 'xreg'},g{self.slabs}>")
+
+
+class MmaPlan(collections.namedtuple("MmaPlan", MMA_PLAN_FIELDS)):
+    __slots__ = ()
+
+    @property
+    def kernel(self) -> str:
+        return f"mma<K{self.bits},{_DTYPE_CODES[self.dtype]},cfg{self.config}>"
+
+
+class WgmmaPlan(collections.namedtuple("WgmmaPlan", WGMMA_PLAN_FIELDS)):
+    __slots__ = ()
+
+    @property
+    def kernel(self) -> str:
+        return (f"wgmma<K{self.bits},{_DTYPE_CODES[self.dtype]},mt{self.tile_m},cn{self.columns},r{self.row_split},"
+                f"cps{self.built_per_sm}{',split_tall' if self.split_tall else ''}>")
+
+
+def gemv_plan_from_list(values) -> GemvPlan:
+    """A GemvPlan from kbit::gemv_plan's list (its eight cluster counts gathered into `clusters`)."""
+    values = [int(v) for v in values]
+    n = len(GEMV_PLAN_FIELDS) - 1
+    return GemvPlan(*values[:n], tuple(values[n:]))
+
+
+def gemv_plan(m, n, k, bits, splits=0, overrides=None, dtype=torch.float16) -> GemvPlan:
+    """The GEMV's launch plan on the current device, naming its kernel; `clusters`: how many
+    clusters of 1..8 one-per-SM CTAs the device runs at once."""
+    return gemv_plan_from_list(torch.ops.kbit.gemv_plan(m, n, k, bits, splits, plan_overrides(overrides), dtype))
+
+
+def mma_plan(m, n, k, bits, overrides=None, dtype=torch.float16) -> MmaPlan:
+    return MmaPlan(*torch.ops.kbit.mma_plan(m, n, k, bits, plan_overrides(overrides), dtype))
 
 
 def wgmma_plan(m, n, k, bits, dtype=torch.float16, splits=0, overrides=None) -> WgmmaPlan:
     return WgmmaPlan(*torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits, plan_overrides(overrides)))
+
+
+def gemm_kernel(m, n, k, bits, dtype=torch.float16, path=Path.AUTO, splits=0, overrides=None) -> str:
+    """The kernel kbit::gemm_path(..., path, splits, overrides) runs for this shape on the current
+    device (kbit::gemm's with the defaults), as csrc/core/kernel_keys.h describes its key; the
+    dequantize path's is "dequantize<...> + cublas"."""
+    return torch.ops.kbit.gemm_kernel(m, n, k, bits, dtype, int(path), splits, plan_overrides(overrides))
+
+
+def moe_kernel(bits, dtype=torch.float16) -> str:
+    """The MoE expert GEMV kernel kbit::moe_gemm runs."""
+    return torch.ops.kbit.moe_kernel(bits, dtype)
+
+
+def heuristics_table() -> str:
+    """The name of the tuned table (csrc/dispatch/heuristics.h) the current device plans with."""
+    return torch.ops.kbit.heuristics()

@@ -35,7 +35,7 @@
 #include "core/decode.cuh"
 #include "gemv/gemv_kernel.cuh"
 #include "core/layout.cuh"
-#include "moe/moe_launchers.h"
+#include "moe/moe_config.h"
 
 namespace kbit {
 namespace moe {
@@ -213,6 +213,20 @@ __global__ void __launch_bounds__(kMoeThreads, 3) moe_gemv_kernel(const MoeParam
   } else {
     moe_block<BITS, 2, T>(p, smem, ids, nrows, e, nu);
   }
+}
+
+// Launch of one instantiation: `blocks` blocks of sorted ids x the column units.
+template <int BITS, typename T>
+cudaError_t launch_kernel(const MoeParams& p, int blocks, cudaStream_t stream) {
+  moe_gemv_kernel<BITS, T><<<dim3(blocks, n_units(p.n), 1), kMoeThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The selector's entry of one instantiation (moe_kernels.h, generated).
+template <int BITS, typename T>
+constexpr MoeKernel kernel_entry() {
+  constexpr cudaError_t (*launch)(const MoeParams&, int, cudaStream_t) = &launch_kernel<BITS, T>;
+  return {launch};
 }
 
 }  // namespace moe

@@ -1,33 +1,21 @@
-// Launch of the grouped MoE GEMV (moe_gemv_kernel.cuh) for bits 2..5 x fp16 / bf16. The stacked
+// Launch of the grouped MoE GEMV (moe_gemv_kernel.cuh) for bits 2..5 x fp16 / bf16: the kernel
+// its key names (moe_kernels.h, generated). The stacked
 // dequantize (launch_dequantize_experts) lives beside the dense one in repack/dequantize.cu.
 #include <cuda_runtime.h>
 
+#include "core/kernel_keys.h"
 #include "core/layout.cuh"
-#include "dispatch/launchers.h"
-#include "moe/moe_gemv_kernel.cuh"
+#include "moe/moe_gemv_kernel.cuh"  // MoeParams
+#include "moe/moe_kernels.h"
 #include "moe/moe_launchers.h"
 
 namespace kbit {
-namespace {
-
-template <int BITS, typename T>
-cudaError_t launch_moe_t(const moe::MoeParams& p, int blocks, cudaStream_t stream) {
-  moe::moe_gemv_kernel<BITS, T><<<dim3(blocks, n_units(p.n), 1), moe::kMoeThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+MoeKey moe_key(int bits, DType dtype) {
+  MoeKey key;
+  key.bits = bits;
+  key.dtype = dtype;
+  return key;
 }
-
-template <typename T>
-cudaError_t launch_moe_dt(const moe::MoeParams& p, int blocks, int bits, cudaStream_t stream) {
-  switch (bits) {
-    case 2: return launch_moe_t<2, T>(p, blocks, stream);
-    case 3: return launch_moe_t<3, T>(p, blocks, stream);
-    case 4: return launch_moe_t<4, T>(p, blocks, stream);
-    case 5: return launch_moe_t<5, T>(p, blocks, stream);
-  }
-  return cudaErrorInvalidValue;
-}
-
-}  // namespace
 
 cudaError_t launch_moe_gemm(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,
                             const float* codebook, int codebook_stride, const int32_t* sorted_ids,
@@ -53,9 +41,9 @@ cudaError_t launch_moe_gemm(DType dtype, const void* x, const uint32_t* packed, 
   p.n = n; p.k = k; p.ku_count = k_units(k);
   p.num_experts = num_experts; p.num_pairs = num_pairs; p.num_sorted = num_sorted;
   p.block_m = block_m; p.top_k = top_k;
-  const int blocks = div_up(num_sorted, block_m);
-  if (dtype == DType::kHalf) return launch_moe_dt<__half>(p, blocks, bits, stream);
-  return launch_moe_dt<__nv_bfloat16>(p, blocks, bits, stream);
+  const moe::MoeKernel* kernel = moe::select_kernel(moe_key(bits, dtype));
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  return kernel->launch(p, div_up(num_sorted, block_m), stream);
 }
 
 }  // namespace kbit

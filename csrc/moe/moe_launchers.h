@@ -12,12 +12,15 @@
 
 #include <cuda_runtime.h>
 
-#include "dispatch/launchers.h"
+#include "core/device.h"
+#include "core/kernel_keys.h"
+#include "moe/moe_config.h"  // kMoeMaxBlockM
 
 namespace kbit {
 
-// Largest block_m moe_gemm serves: a block's rows are at most two n8 MMA tiles of x.
-constexpr int kMoeMaxBlockM = 16;
+
+// The MoE GEMV kernel launch_moe_gemm runs for a bit width and dtype (moe_kernels.h).
+MoeKey moe_key(int bits, DType dtype);
 
 // y[num_pairs, n] (zeroed on the stream first, so rows no block covers are 0) with row p =
 // x[p / top_k] @ W_e^T (times topk_weights[p] where given) for every pair p of a block of
