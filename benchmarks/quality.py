@@ -351,7 +351,7 @@ def strict_main(args) -> None:
         "kl": "mean KL(p_fp32 || p_quantized) of the next-token distribution, nats per token",
         "top1": "fraction of positions whose argmax equals fp32's",
         "codebook": "nf0 (the converter's default) at every K; embeddings / lm_head fp32",
-        "mixed": "vllm_kbit.quant.mixed: K per fused group from the output noise-to-signal at K = 2..5 "
+        "mixed": "vllm_kbit.quant.mixed: K per fused group from the output noise-to-signal (rtn) at K = 2..5 "
                  "on the calibration windows, greedy to the average K; bpw = average K + 8/32"}
     results = sec.setdefault("results", {})
 

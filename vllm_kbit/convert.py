@@ -756,7 +756,7 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
 
     bits_of = None
     if average is not None:
-        bits_of = _mixed_bits(src, to_quantize, shapes, average, method, calib, calib_samples, dev, progress)
+        bits_of = _mixed_bits(src, to_quantize, average, calib, calib_samples, dev, progress)
         report.bits_per_layer = {n[:-len(".weight")]: k for n, k in sorted(bits_of.items())}
         report.quantized_sizes = {n[:-len(".weight")]: shapes[n][0] * shapes[n][1] for n in bits_of}
         bits = _k_nominal(report.bits_per_layer, report.quantized_sizes)
@@ -838,8 +838,8 @@ def _k_nominal(bits_per_layer: dict[str, int], sizes: dict[str, int]) -> int:
     return max(by_k, key=lambda k: (by_k[k], -k))
 
 
-def _mixed_bits(src: Path, to_quantize: set[str], shapes: dict, average: float, method: str,
-                calib: str | None, calib_samples: int, device: torch.device, progress: bool) -> dict[str, int]:
+def _mixed_bits(src: Path, to_quantize: set[str], average: float, calib: str | None, calib_samples: int,
+                device: torch.device, progress: bool) -> dict[str, int]:
     """{weight name: K} for the average (quant/mixed.py), measured on the calibration text."""
     import transformers
 
@@ -854,7 +854,7 @@ def _mixed_bits(src: Path, to_quantize: set[str], shapes: dict, average: float, 
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
         batches = calibration_batches(model, src, calib, calib_samples, 512, device, progress)
-        groups = mixed.measure(model, batches, method=method, device=device, progress=progress,
+        groups = mixed.measure(model, batches, device=device, progress=progress,
                                select=lambda m: f"{m}.weight" in to_quantize)
     except CalibrationError as e:
         raise ConversionError(f"--bits {average}: {e}") from None
