@@ -13,6 +13,15 @@ so at K >= 4 formats that match that grid look better than on the original weigh
 
 Results are appended to OUT/quality_smollm2.json one entry at a time (a rerun skips the
 entries already there) and plotted to OUT/quality_smollm2.png.
+
+    python benchmarks/quality.py --strict [--eval-tokens 2048] [--calib 32] [--methods mse gptq]
+        [--bits 2 3 4] [--averages 2.5 3.5] [--only NAME ...]
+
+--strict measures against fp32 on two texts, the held-out handbook pages and the Python library
+docs (apt-get install python3.11-doc; never calibrated on): perplexity, the mean KL divergence of
+the next-token distribution and top-1 agreement, for kbit with and without the folded Hadamard
+rotation (vllm_kbit.quant.rotate), mixed K per layer (vllm_kbit.quant.mixed), int RTN and HQQ;
+under "strict" in the same file.
 """
 from __future__ import annotations
 
