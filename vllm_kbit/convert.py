@@ -852,7 +852,7 @@ def _mixed_bits(src: Path, to_quantize: set[str], average: float, calib: str | N
         raise ConversionError(f"--bits {average}: K per layer is not supported for MoE experts ({experts[0]}, ...); "
                               f"use a whole --bits or keep the experts unquantized with --ignore")
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype="auto").eval()
         batches = calibration_batches(model, src, calib, calib_samples, 512, device, progress)
         groups = mixed.measure(model, batches, device=device, progress=progress,
                                select=lambda m: f"{m}.weight" in to_quantize)
