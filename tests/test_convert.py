@@ -464,7 +464,7 @@ def test_bad_inputs(llama, tmp_path, case, kwargs, error, message):
 
 @pytest.mark.parametrize("args, message", [
     (["{src}", "{dst}", "--bits", "7"], "bits must be one of"),
-    (["{src}", "{dst}", "--bits", "four"], "invalid int value"),
+    (["{src}", "{dst}", "--bits", "four"], "not a number"),
     (["{src}", "{dst}"], "--bits"),
     (["{tmp}/nope", "{dst}", "--bits", "4"], "does not exist"),
     (["{src}", "{dst}", "--bits", "2", "--codebook", "[0.5, 0.1"], "--codebook"),

@@ -3,6 +3,14 @@
     python -m vllm_kbit.convert SRC DST --bits K [--ignore PATTERN ...] [--overwrite]
         [--quantize-lm-head] [--device cpu|cuda] [--codebook JSON_FILE_OR_LIST] [--max-shard-size 2GB]
         [--method rtn|mse|gptq] [--calib TEXT_FILE] [--calib-samples 128] [--fit-codebook]
+        [--rotate [--rotate-seed 0]]
+
+--bits with a fraction (2.5: any average in [2, 5]) picks K per layer (quant/mixed.py): the
+layers vLLM fuses share K, the checkpoint lists every quantized layer's K in
+quantization_config.bits_per_layer and each K's codebook in quantization_config.codebooks.
+--rotate folds a random-sign Hadamard rotation into a float copy of SRC first (quant/rotate.py;
+written beside DST and removed afterwards) and quantizes that: an ordinary checkpoint of the
+same architecture whose float logits equal SRC's.
 
 What is quantized: the weight of every `Linear` of the architecture named by SRC/config.json,
 found by building that architecture on the meta device with transformers and matching it with
@@ -98,14 +106,19 @@ class ConversionReport:
     copied_files: list[str] = field(default_factory=list)       # non-weight files copied from SRC
     not_copied: list[str] = field(default_factory=list)         # SRC entries left out (weights in other formats, folders)
     underflow_blocks: dict[str, int] = field(default_factory=dict)  # name -> non-zero blocks stored as zeros
+    quantized_sizes: dict[str, int] = field(default_factory=dict)   # mixed K: module -> weights
     unmapped_2d: list[str] = field(default_factory=list)        # 2-D tensors of no known Linear, copied as is
     used_heuristic: bool = False
     num_shards: int = 0
     bytes_in: int = 0    # tensor bytes read
     bytes_out: int = 0   # tensor bytes written (the index's total_size)
+    bits_per_layer: dict[str, int] = field(default_factory=dict)  # mixed K: module -> K
+    rotated: bool = False
 
     def summary(self) -> str:
-        lines = [f"kbit K={self.bits}: {_count(len(self.quantized), 'linear weight')} quantized, "
+        k = (f"mixed (average {_mixed_average(self.bits_per_layer, self.quantized_sizes):.3f}, "
+             f"{_k_counts(self.bits_per_layer)})" if self.bits_per_layer else self.bits)
+        lines = [f"kbit K={k}{' rotated' if self.rotated else ''}: {_count(len(self.quantized), 'linear weight')} quantized, "
                  f"{len(self.skipped)} left unquantized, {_count(len(self.copied_files), 'file')} copied",
                  f"  tensors: {_fmt_bytes(self.bytes_in)} -> {_fmt_bytes(self.bytes_out)} "
                  f"in {self.num_shards} shard(s)"]
@@ -706,10 +719,11 @@ def _refuse_nothing_to_quantize(linears: dict, report: ConversionReport) -> None
 # ----------------------------------------------------------------------------- methods
 
 def _make_plan(src: Path, items: list[_Item], bits: int, cb: torch.Tensor, device: torch.device,
-               method: str, fit_codebook: bool, calib: str | None, calib_samples: int, progress: bool):
+               method: str, fit_codebook: bool, calib: str | None, calib_samples: int, progress: bool,
+               bits_of: dict[str, int] | None = None):
     """None for plain rtn (the quantize kernel, tensor by tensor); else a quant.plan.Plan with
     its codebooks fitted and, for gptq, the calibrated quantization done."""
-    if method == "rtn" and not fit_codebook:
+    if method == "rtn" and not fit_codebook and not bits_of:
         return None
     from safetensors import safe_open
 
@@ -722,7 +736,8 @@ def _make_plan(src: Path, items: list[_Item], bits: int, cb: torch.Tensor, devic
         with safe_open(str(where[name]), framework="pt") as f:
             return f.get_tensor(name)
 
-    plan = Plan(method, bits, cb, device, fit=fit_codebook)
+    plan = Plan(method, bits, cb, device, fit=fit_codebook, bits_of=bits_of,
+                codebooks_of={k: default_codebook(k) for k in set((bits_of or {}).values())})
     if fit_codebook:
         plan.fit_codebooks(list(where), read, progress)
     if method == "gptq":
@@ -739,7 +754,8 @@ def _make_plan(src: Path, items: list[_Item], bits: int, cb: torch.Tensor, devic
 def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = False,
             device: str | torch.device | None = None, max_shard_size: int | str = "2GB",
             progress: bool = True, quantize_lm_head: bool = False, method: str = DEFAULT_METHOD,
-            calib: str | None = None, calib_samples: int = 128, fit_codebook: bool = False) -> ConversionReport:
+            calib: str | None = None, calib_samples: int = 128, fit_codebook: bool = False,
+            rotate: bool = False, rotate_seed: int = 0) -> ConversionReport:
     """Write a kbit checkpoint of the HF safetensors model folder `src` to `dst` (see the module
     docstring). `ignore`: extra compressed-tensors patterns of modules to keep unquantized;
     `quantize_lm_head`: quantize the output projection too (smaller and faster per decode step,
@@ -749,14 +765,25 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     gptq runs the model over `calib`, a plain-text file, or over text the model samples);
     `fit_codebook`: store a Lloyd-Max codebook per layer (one per fused q/k/v and gate/up group);
     `device`: where to quantize (default cuda when available). Raises ConversionError or
-    KbitFormatError (naming the tensor) on bad input, leaving nothing behind."""
+    KbitFormatError (naming the tensor) on bad input, leaving nothing behind.
+    `bits` with a fraction (2.5): K per layer for that average (module docstring);
+    `rotate`: quantize a Hadamard-rotated copy of src (quant/rotate.py, seeded by rotate_seed)."""
+    if rotate:
+        return _convert_rotated(src, dst, bits, rotate_seed, dict(
+            ignore=ignore, codebook=codebook, overwrite=overwrite, device=device, max_shard_size=max_shard_size,
+            progress=progress, quantize_lm_head=quantize_lm_head, method=method, calib=calib,
+            calib_samples=calib_samples, fit_codebook=fit_codebook))
+    bits, average = _split_bits(bits)
+    if average is not None and codebook is not None:
+        raise ConversionError(f"--codebook holds one K's levels; --bits {average} picks K per layer "
+                              f"(each K uses its default codebook)")
     kf.check_bits(bits)
     cb = default_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
     if method not in METHODS:
         raise ConversionError(f"{_opt('method', repr(method))}: must be one of {', '.join(METHODS)}")
     if calib_samples < 1:
         raise ConversionError(f"{_opt('calib_samples', str(calib_samples))}: must be at least 1")
-    if calib is not None and method != "gptq":
+    if calib is not None and method != "gptq" and average is None:
         raise ConversionError(f"{_opt('calib', str(calib))} is only used by {_opt('method', 'gptq')} "
                               f"(got {_opt('method', method)})")
     if calib is not None:
@@ -818,13 +845,22 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     if not to_quantize:
         _refuse_nothing_to_quantize(linears, report)
 
+    bits_of = None
+    if average is not None:
+        bits_of = _mixed_bits(src, to_quantize, average, calib, calib_samples, dev, progress)
+        report.bits_per_layer = {n[:-len(".weight")]: k for n, k in sorted(bits_of.items())}
+        report.quantized_sizes = {n[:-len(".weight")]: shapes[n][0] * shapes[n][1] for n in bits_of}
+        bits = _k_nominal(report.bits_per_layer, report.quantized_sizes)
+        report.bits = bits
+        cb = default_codebook(bits)
     items = []
     for f, h in headers.items():
         for name, info in sorted(h.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             start, end = info["data_offsets"]
             if name in to_quantize:
                 n, k = info["shape"]
-                items.append(_Item(f, name, end - start, True, n * (k // kf.BLOCK_SIZE) * (4 * bits + 1)))
+                kb = bits_of.get(name, bits) if bits_of else bits
+                items.append(_Item(f, name, end - start, True, n * (k // kf.BLOCK_SIZE) * (4 * kb + 1)))
             else:
                 items.append(_Item(f, name, end - start, False, end - start))
     report.bytes_in = sum(it.nbytes for it in items)
@@ -836,6 +872,10 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
         config["quantization_config"]["lm_head"] = True
     if fit_codebook:
         config["quantization_config"]["codebook_per_layer"] = True
+    if bits_of:
+        qc = config["quantization_config"]
+        qc["bits_per_layer"] = report.bits_per_layer
+        qc["codebooks"] = {str(k): [float(v) for v in default_codebook(k)] for k in sorted(set(bits_of.values()))}
 
     _check_ranges(items, dev, progress)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -843,7 +883,7 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(dst)}{_owner_tag()}-", dir=dst.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would make DST private
-        plan = _make_plan(src, items, bits, cb, dev, method, fit_codebook, calib, calib_samples, progress)
+        plan = _make_plan(src, items, bits, cb, dev, method, fit_codebook, calib, calib_samples, progress, bits_of)
         _write_shards(items, tmp, bits, cb, dev, shard_limit, progress, report, plan)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _copy_other_files(src, tmp, report)
@@ -855,7 +895,110 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     return report
 
 
+# ----------------------------------------------------------------------------- mixed K, rotation
+
+def _split_bits(bits) -> tuple[int, float | None]:
+    """(K, None) for a whole number of bits; (floor, average) for a fractional average."""
+    from vllm_kbit.quant.mixed import MixedBitsError, check_average
+
+    if isinstance(bits, int) and not isinstance(bits, bool):
+        return bits, None
+    try:
+        b = check_average(bits)
+    except MixedBitsError as e:
+        raise ConversionError(str(e)) from None
+    return (int(b), None) if b.is_integer() else (int(b), b)
+
+
+def _k_counts(bits_per_layer: dict[str, int]) -> str:
+    counts: dict[int, int] = {}
+    for k in bits_per_layer.values():
+        counts[k] = counts.get(k, 0) + 1
+    return ", ".join(f"{n} layer(s) at K={k}" for k, n in sorted(counts.items()))
+
+
+def _mixed_average(bits_per_layer: dict[str, int], sizes: dict[str, int]) -> float:
+    return sum(k * sizes[m] for m, k in bits_per_layer.items()) / max(1, sum(sizes.values()))
+
+
+def _k_nominal(bits_per_layer: dict[str, int], sizes: dict[str, int]) -> int:
+    """The K holding the most weights: the config's `bits` (layers not listed would use it)."""
+    by_k: dict[int, int] = {}
+    for m, k in bits_per_layer.items():
+        by_k[k] = by_k.get(k, 0) + sizes[m]
+    return max(by_k, key=lambda k: (by_k[k], -k))
+
+
+def _mixed_bits(src: Path, to_quantize: set[str], average: float, calib: str | None, calib_samples: int,
+                device: torch.device, progress: bool) -> dict[str, int]:
+    """{weight name: K} for the average (quant/mixed.py), measured on the calibration text."""
+    import transformers
+
+    from vllm_kbit.quant import mixed
+    from vllm_kbit.quant.calibrate import CalibrationError
+    from vllm_kbit.quant.plan import calibration_batches
+
+    experts = sorted(n for n in to_quantize if _EXPERT_RE.fullmatch(n))
+    if experts:
+        raise ConversionError(f"--bits {average}: K per layer is not supported for MoE experts ({experts[0]}, ...); "
+                              f"use a whole --bits or keep the experts unquantized with --ignore")
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype="auto").eval()
+        batches = calibration_batches(model, src, calib, calib_samples, 512, device, progress)
+        groups = mixed.measure(model, batches, device=device, progress=progress,
+                               select=lambda m: f"{m}.weight" in to_quantize)
+    except CalibrationError as e:
+        raise ConversionError(f"--bits {average}: {e}") from None
+    del model
+    reached = {f"{m}.weight" for g in groups.values() for m in g["members"]}
+    missing = sorted(to_quantize - reached)
+    if missing:
+        raise ConversionError(f"--bits {average}: the calibration run reached no input for {missing[0]} "
+                              f"(and {len(missing) - 1} more); keep it unquantized with --ignore or use a whole --bits")
+    try:
+        ks = mixed.allocate(groups, average)
+    except mixed.MixedBitsError as e:
+        raise ConversionError(f"--bits {average}: {e}") from None
+    return {f"{m}.weight": k for m, k in mixed.per_module(groups, ks).items()}
+
+
+def _convert_rotated(src, dst, bits, seed: int, kwargs: dict) -> ConversionReport:
+    """convert() of a rotated float copy of src, written beside dst and removed afterwards."""
+    from vllm_kbit.quant import rotate
+
+    src, dst = Path(src), Path(dst)
+    config = _read_config(src)
+    try:
+        rotate.check_rotatable(config)
+    except rotate.RotationError as e:
+        raise ConversionError(str(e)) from None
+    if (dst.exists() or dst.is_symlink()) and not kwargs.get("overwrite"):
+        raise ConversionError(f"DST {dst} already exists; use --overwrite (overwrite=True) to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    _clear_stale_temps(dst)
+    # named as convert's own temporary folders, so that a killed run's copy is cleared the same way
+    rotated = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(dst)}{_owner_tag()}-rotated-", dir=dst.parent))
+    try:
+        dev = kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        rotate.rotate_checkpoint(src, rotated, seed=seed, device=dev, progress=kwargs.get("progress", True))
+        report = convert(rotated, dst, bits, **kwargs)
+    except rotate.RotationError as e:
+        raise ConversionError(str(e)) from None
+    finally:
+        shutil.rmtree(rotated, ignore_errors=True)
+    report.src, report.rotated = str(src), True
+    return report
+
+
 # ----------------------------------------------------------------------------- CLI
+
+def _bits_arg(value: str):
+    try:
+        b = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    return int(b) if b.is_integer() else b
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + message, exit status from main()
@@ -893,7 +1036,9 @@ def main(argv=None) -> int:
                      description="Convert a Hugging Face safetensors model folder to a kbit checkpoint.")
     parser.add_argument("src", metavar="SRC", help="HF model folder (config.json + *.safetensors)")
     parser.add_argument("dst", metavar="DST", help="output folder (must not exist unless --overwrite)")
-    parser.add_argument("--bits", type=int, required=True, help="bits per weight: 2, 3, 4 or 5")
+    parser.add_argument("--bits", type=_bits_arg, required=True,
+                        help="bits per weight: 2, 3, 4 or 5, or an average in [2, 5] such as 2.5 "
+                             "(K per layer, chosen on the calibration text: see --calib)")
     parser.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
                         help="module to keep unquantized: exact name or 're:REGEX' (repeatable); "
                              f"ignored by default: {', '.join(DEFAULT_IGNORE)} (for lm_head see --quantize-lm-head)")
@@ -914,6 +1059,10 @@ def main(argv=None) -> int:
                         help="gptq calibration windows of 512 tokens (default 128)")
     parser.add_argument("--fit-codebook", action="store_true",
                         help="store a codebook fitted to each layer's weights (Lloyd-Max) with the layer")
+    parser.add_argument("--rotate", action="store_true",
+                        help="fold a random Hadamard rotation into the weights before quantizing "
+                             "(Llama / Mistral / Qwen2 / Qwen3; better at 2 and 3 bits)")
+    parser.add_argument("--rotate-seed", type=int, default=0, metavar="N", help="seed of --rotate's signs")
     try:
         args = parser.parse_args(argv)
         codebook = _load_codebook(args.codebook) if args.codebook is not None else None
@@ -922,7 +1071,8 @@ def main(argv=None) -> int:
                              overwrite=args.overwrite, device=args.device, max_shard_size=args.max_shard_size,
                              quantize_lm_head=args.quantize_lm_head, method=args.method, calib=args.calib,
                              calib_samples=args.calib_samples,
-                             fit_codebook=args.fit_codebook)
+                             fit_codebook=args.fit_codebook, rotate=args.rotate,
+                             rotate_seed=args.rotate_seed)
     except (*CLI_ERRORS, KeyboardInterrupt) as e:
         return cli_error(e)
     print(report.summary())
