@@ -24,6 +24,12 @@ class BuildConfigError(SystemExit):
     """The build cannot go on; its message says why and what to do (pip prints it as is)."""
 
 
+def isolated_build(env) -> bool:
+    """Whether pip runs this build in an isolated environment: pip puts its build environment's
+    site folder (pip-build-env-*) on PYTHONPATH for the build backend."""
+    return "pip-build-env-" in env.get("PYTHONPATH", "")
+
+
 def extension_plan(torch_version, torch_cuda, cuda_home, env, nvcc_on_path=None) -> tuple[bool, str]:
     """Whether to build the CUDA extension, and why; raises BuildConfigError where building
     without it would silently give a reference-only install on a CUDA machine, or building it
@@ -38,10 +44,17 @@ def extension_plan(torch_version, torch_cuda, cuda_home, env, nvcc_on_path=None)
              "install (the slow PyTorch path; kbit layers on a GPU then need VLLM_KBIT_REFERENCE=1).")
     if torch_version is None:
         if nvcc_on_path or cuda_home:
+            toolkit = nvcc_on_path or cuda_home
+            if isolated_build(env):
+                raise BuildConfigError(
+                    "vllm_kbit: torch is not importable in the build environment (pip's build isolation), "
+                    f"but a CUDA toolkit is here ({toolkit}), so the CUDA extension would "
+                    f"be silently left out. {fixes}")
             raise BuildConfigError(
-                "vllm_kbit: torch is not importable in the build environment (pip's build isolation), "
-                f"but a CUDA toolkit is here ({nvcc_on_path or cuda_home}), so the CUDA extension would "
-                f"be silently left out. {fixes}")
+                f"vllm_kbit: torch is not installed in this environment, but a CUDA toolkit is here ({toolkit}): "
+                "the CUDA extension is compiled against the torch it will run with. Install torch first "
+                "(`pip install vllm==0.24.0` brings vLLM's torch), then run this install again; or set "
+                "VLLM_KBIT_NO_CUDA=1 for a reference-only install.")
         return False, "torch is not importable in the build environment and no CUDA toolkit is found"
     if torch_cuda is None:
         return False, f"torch {torch_version} is a CPU build"
@@ -68,10 +81,11 @@ def extension_plan(torch_version, torch_cuda, cuda_home, env, nvcc_on_path=None)
     return True, f"torch {torch_version} (CUDA {torch_cuda}), CUDA toolkit at {cuda_home}"
 
 
-def write_build_info(build: bool, why: str, arch_list: str | None) -> None:
+def write_build_info(build: bool, why: str, arch_list: str | None, torch_version: str | None = None) -> None:
     """vllm_kbit/_build_info.py (not in git): what this build is, for `python3 -m vllm_kbit.check`."""
     text = ("# Written by setup.py at build time: what the CUDA extension was built for.\n"
-            f"EXTENSION = {build!r}\nREASON = {why!r}\nTORCH_CUDA_ARCH_LIST = {arch_list!r}\n")
+            f"EXTENSION = {build!r}\nREASON = {why!r}\nTORCH_CUDA_ARCH_LIST = {arch_list!r}\n"
+            f"TORCH = {torch_version!r}\n")
     if not os.path.isfile(BUILD_INFO) or open(BUILD_INFO).read() != text:
         with open(BUILD_INFO, "w") as f:
             f.write(text)
@@ -88,13 +102,13 @@ def cuda_extension():
     if not build:
         print(f"vllm_kbit: building without the CUDA extension: {why}", file=sys.stderr)
         write_build_info(False, why, None)
-        return [], {}
+        return [], {}, None
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
     archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/**/*.cu", recursive=True))
     if not sources:
-        return [], {}
-    write_build_info(True, why, ";".join(a for a in archs if a))
+        return [], {}, None
+    write_build_info(True, why, ";".join(a for a in archs if a), torch_version)
     # no -std flag: torch's BuildExtension adds the standard its headers need (C++17 or 20)
     nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr",
             "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
@@ -108,20 +122,29 @@ def cuda_extension():
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc},
     )
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}, torch_version
+
+
+def torch_requirement(built_against: str | None) -> str:
+    """The extension links against one torch's C++ ABI: a build with it requires that torch's
+    major.minor (a wheel then refuses to install beside another); a pure-Python one, any torch."""
+    if built_against is None:
+        return "torch"
+    major, minor = built_against.split("+")[0].split(".")[:2]
+    return f"torch=={major}.{minor}.*"
 
 
 def main():
     from setuptools import find_packages, setup
 
-    ext_modules, cmdclass = cuda_extension()
+    ext_modules, cmdclass, built_against = cuda_extension()
     setup(
         name="vllm_kbit",
         version="0.1.0",
         description="k-bit codebook weight quantization for vLLM with fused CUDA kernels",
         packages=find_packages(include=["vllm_kbit", "vllm_kbit.*"]),
         python_requires=">=3.10",
-        install_requires=["torch", "safetensors", "compressed-tensors", "tqdm"],
+        install_requires=[torch_requirement(built_against), "safetensors", "compressed-tensors", "tqdm"],
         extras_require={"test": ["pytest"]},
         ext_modules=ext_modules,
         cmdclass=cmdclass,

@@ -187,8 +187,12 @@ def main():
                 kern = getattr(layers[0][next(iter(shapes))], "kernel", None)
                 if kern:
                     r["kernel"] = kern
+            elif hasattr(layers[0][next(iter(shapes))], "kernel_at"):  # kbit: each layer shape's kernel (key)
+                r["kernels"] = {name: layers[0][name].kernel_at(m) for name in shapes}
             results.append(r)
             bg.log(f"{method:<13} M={m:<3} step {us:8.1f} us  {r['gbs']:6.0f} GB/s  {r['pct_copy']:5.1f}% of copy")
+            for name, kernel in r.get("kernels", {}).items():
+                bg.log(f"{'':<13} M={m:<3} {name:<8} {kernel}")
             if args.per_shape:
                 for name, (n, k) in shapes.items():
                     one = [(layer[name], k) for layer in layers]

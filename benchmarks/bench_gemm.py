@@ -79,6 +79,7 @@ def copy_bandwidth(timer):
 def kbit_method(n, k, bits, path, splits=0, overrides=""):
     from vllm_kbit import format as kf
     from vllm_kbit import layout as kl
+    from vllm_kbit import ops
     g = torch.Generator(device="cuda").manual_seed(bits)
     packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (kl.packed_numel(n, k, bits),), generator=g, device="cuda",
                            dtype=torch.int32)
@@ -91,6 +92,8 @@ def kbit_method(n, k, bits, path, splits=0, overrides=""):
             return torch.ops.kbit.gemm(x, packed, ap, cb, bits, n, k, None)
         return torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, path, splits, overrides)
     run.tensors = (packed, ap, cb)
+    # the kernel (its key, csrc/core/kernel_keys.h) a call of M rows runs
+    run.kernel_at = lambda m, sp=splits: ops.gemm_kernel(m, n, k, bits, DT, path, sp, overrides)
     return run, wbytes
 
 
@@ -168,7 +171,8 @@ def main():
         r = {"n": n, "k": k, "m": m, "method": method, "us": us, "gbs": moved / (us * 1e-6) / 1e9,
              "pct_copy": 100.0 * moved / (us * 1e-6) / 1e9 / copy_bw, "bytes": moved, **extra}
         results.append(r)
-        log(f"{n:>6}x{k:<6} M={m:<5} {method:<14} {us:10.1f} us {r['gbs']:8.0f} GB/s {r['pct_copy']:6.1f}%")
+        log(f"{n:>6}x{k:<6} M={m:<5} {method:<14} {us:10.1f} us {r['gbs']:8.0f} GB/s {r['pct_copy']:6.1f}%"
+            + (f"  {r['kernel']}" if "kernel" in r else ""))
         return r
 
     if args.dequant_only:
@@ -191,10 +195,10 @@ def main():
                 for m in (ms if sweep_path == "wgmma" else (1, 16)):
                     x = torch.randn(m, k, dtype=DT, device="cuda")
                     record(n, k, m, f"kbit{bits}-{sweep_path}-auto", timer(lambda: run(x, PATHS[sweep_path], 0)), wb,
-                           bits=bits, splits=0, **extra)
+                           bits=bits, splits=0, kernel=run.kernel_at(m, 0), **extra)
                     for sp in range(1, 17 if sweep_path == "wgmma" else 9):
                         record(n, k, m, f"kbit{bits}-{sweep_path}-s{sp}", timer(lambda: run(x, PATHS[sweep_path], sp)),
-                               wb, bits=bits, splits=sp, **extra)
+                               wb, bits=bits, splits=sp, kernel=run.kernel_at(m, sp), **extra)
                 del run
                 torch.cuda.empty_cache()
     else:
@@ -249,7 +253,8 @@ def main():
                         if peer_list:
                             errors.append({"method": name, "n": n, "k": k, "m": m, "error": pe.describe_error(e)})
                         continue
-                    record(n, k, m, name, us, wb, bpw=wb / (n * k),
+                    kernel = {"kernel": run.kernel_at(m)} if hasattr(run, "kernel_at") else {}
+                    record(n, k, m, name, us, wb, bpw=wb / (n * k), **kernel,
                            **{kk: v for kk, v in extra.items() if kk != "max_m"})
         del per_shape
         torch.cuda.empty_cache()

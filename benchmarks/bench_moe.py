@@ -9,6 +9,8 @@ logits, made once outside the graph, the same for every method.
       [--ms 1,4,16,64,256,1024,4096] [--bits 2,3,4,5] [--paths gemm,dense] [--no-baselines] [--out DIR]
   python3 benchmarks/bench_moe.py --check    # kbit against bf16 fused_experts of its
                                                    # dequantized experts; exits 1 on a mismatch
+  --codebooks per-expert: each expert its own codebooks (w13's and w2's, [E, 2^K], as a
+  convert --fit-codebook checkpoint serves) instead of one for the layer.
 
 Times: median µs of --reps replays (CUDA events). Results:
 benchmarks/results/bench_moe_<gpu>.json (+ .png), with the GPU, date, commit and command.
@@ -39,8 +41,9 @@ INT4_GROUP = 128
 CHECK_TOL = 2e-2  # relative error of kbit against bf16 of the same (dequantized) weights
 
 
-def kbit_experts(shape, bits, gen):
-    """Random valid kbit experts (random codes, absmax in the dummy-load range) on the GPU."""
+def kbit_experts(shape, bits, gen, per_expert_codebooks=False):
+    """Random valid kbit experts (random codes, absmax in the dummy-load range) on the GPU;
+    one codebook for the layer, or random ones per expert (w13's and w2's)."""
     from vllm_kbit import format as kf
     from vllm_kbit.linear import _DUMMY_CODE_HI, _DUMMY_CODE_LO
     from vllm_kbit.moe import KbitExperts, dense_chunk_size, dense_expert_maps, repack_experts
@@ -54,15 +57,20 @@ def kbit_experts(shape, bits, gen):
         tensors += list(repack_experts(q, a, bits))
         del q, a
     chunk = dense_chunk_size(h, 2 * i, i)
-    return KbitExperts(*tensors, codebook=kf.normal_float_codebook(bits).cuda(), bits=bits, hidden=h, inter=i,
+    codebook, w2_codebook = kf.default_codebook(bits, "cuda"), None
+    if per_expert_codebooks:
+        cbs = torch.rand(2, e, 1 << bits, device="cuda", generator=gen).sort(-1).values * 2 - 1
+        codebook, w2_codebook = (cbs / cbs.abs().amax(-1, keepdim=True)).unbind(0)
+    return KbitExperts(*tensors, codebook=codebook.contiguous(), bits=bits, hidden=h, inter=i,
                        gated=True, global_num_experts=e, dense_chunk=chunk,
-                       dense_maps=dense_expert_maps(None, e, e, chunk, "cuda"))
+                       dense_maps=dense_expert_maps(None, e, e, chunk, "cuda"),
+                       w2_codebook=None if w2_codebook is None else w2_codebook.contiguous())
 
 
 def dequantized(ex):
     deq = torch.ops.kbit.dequantize_experts
     return (deq(ex.w13, ex.w13_absmax, ex.codebook, ex.bits, ex.n13, ex.hidden, torch.bfloat16),
-            deq(ex.w2, ex.w2_absmax, ex.codebook, ex.bits, ex.hidden, ex.inter, torch.bfloat16))
+            deq(ex.w2, ex.w2_absmax, ex.w2_codebooks, ex.bits, ex.hidden, ex.inter, torch.bfloat16))
 
 
 def int4_method(shape, gen):
@@ -131,6 +139,8 @@ def main() -> int:
     ap.add_argument("--paths", default="gemm,dense", help="kbit paths to time (gemm, dense)")
     ap.add_argument("--no-baselines", action="store_true", help="kbit only (no bf16 / int4)")
     ap.add_argument("--check", action="store_true", help="compare kbit with bf16 of its dequantized experts")
+    ap.add_argument("--codebooks", choices=("shared", "per-expert"), default="shared",
+                    help="one codebook for the layer, or one per expert (convert --fit-codebook)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--tag", help="stem of the result files (default bench_moe_<gpu>)")
@@ -161,9 +171,10 @@ def main() -> int:
             del w13, w2, baselines
             torch.cuda.empty_cache()
         for bits in [int(b) for b in args.bits.split(",")]:
-            ex = kbit_experts(shape, bits, gen)
-            methods = {f"kbit{bits}_{p}": (lambda p: lambda x, tw, tid: experts_forward(ex, x, tw, tid, path=p))(p)
-                       for p in paths}
+            ex = kbit_experts(shape, bits, gen, per_expert_codebooks=args.codebooks == "per-expert")
+            cb_tag = "_cb_per_expert" if args.codebooks == "per-expert" else ""
+            methods = {f"kbit{bits}_{p}{cb_tag}":
+                       (lambda p: lambda x, tw, tid: experts_forward(ex, x, tw, tid, path=p))(p) for p in paths}
             if args.check:
                 w13, w2 = dequantized(ex)
                 for m, (x, tw, tid) in inputs.items():
@@ -182,6 +193,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     stamp = {"gpu": gpu, "date": datetime.date.today().isoformat(), "commit": git_commit(),
              "command": " ".join(sys.argv), "shapes": {s: SHAPES[s] for s in args.shapes.split(",")},
+             "codebooks": args.codebooks,
              "units": "us per call of the layer's routed experts (CUDA graph replay, median)"
              if not args.check else "relative error against bf16 fused_experts of the dequantized experts"}
     args.out.mkdir(parents=True, exist_ok=True)

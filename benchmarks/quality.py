@@ -21,6 +21,15 @@ activation rows are the 16-bit serving path up to fp16/bf16 rounding of the acti
 
 Results are appended to OUT/quality_smollm2.json one entry at a time (a rerun skips the
 entries already there) and plotted to OUT/quality_smollm2.png.
+
+    python benchmarks/quality.py --strict [--eval-tokens 2048] [--calib 32] [--methods mse gptq]
+        [--bits 2 3 4] [--averages 2.5 3.5] [--only NAME ...]
+
+--strict measures against fp32 on two texts, the held-out handbook pages and the Python library
+docs (apt-get install python3.11-doc; never calibrated on): perplexity, the mean KL divergence of
+the next-token distribution and top-1 agreement, for kbit with and without the folded Hadamard
+rotation (vllm_kbit.quant.rotate), mixed K per layer (vllm_kbit.quant.mixed), int RTN and HQQ;
+under "strict" in the same file.
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ import importlib.util
 import json
 import math
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -326,6 +336,164 @@ def minilm_fp8_sqnr() -> dict:
         res[f"K{bits}/mse-nf0"] = row(act16)
         res[f"K{bits}/mse-nf0 fp8"] = row(act8)
     return {"layers": len(ws), "weight_sqnr": res}
+# ----------------------------------------------------------------------------- strict measure
+
+@torch.no_grad()
+def reference_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 next-token log-probabilities of every window, stored as float16 [windows, 511, vocab]
+    (the reference of the KL measure; float16 keeps two texts' worth in about 1.6 GB)."""
+    out = []
+    for s in range(0, ids.numel() - WINDOW + 1, WINDOW):
+        logits = model(ids[s:s + WINDOW].unsqueeze(0)).logits[0, :-1].float()
+        out.append(torch.log_softmax(logits, -1).half())
+    return torch.stack(out)
+
+
+@torch.no_grad()
+def strict_eval(model, ids: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Perplexity, the mean KL divergence KL(p_fp32 || p_model) of the next-token distribution
+    (nats per token, as llama.cpp's --kl-divergence reports it) and top-1 agreement with fp32."""
+    nll = kl = agree = count = 0.0
+    for i, s in enumerate(range(0, ids.numel() - WINDOW + 1, WINDOW)):
+        x = ids[s:s + WINDOW].unsqueeze(0)
+        lp = torch.log_softmax(model(x).logits[0, :-1].float(), -1)
+        r = ref[i].float()
+        nll -= lp.gather(1, x[0, 1:, None]).sum().item()
+        kl += (r.exp() * (r - lp)).sum().item()
+        agree += (lp.argmax(-1) == r.argmax(-1)).sum().item()
+        count += WINDOW - 1
+    return {"ppl": math.exp(nll / count), "kl": kl / count, "top1": agree / count}
+
+
+def rotated_model(folder: Path, seed: int = 0):
+    """SmolLM2 with the residual / per-head Hadamard rotations folded in (vllm_kbit.quant.rotate)."""
+    import transformers
+
+    from vllm_kbit.quant import rotate
+    rfolder = folder.parent / f"{folder.name}-rot{seed}"
+    if not (rfolder / "config.json").is_file():
+        tmp = rfolder.with_name(rfolder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        rotate.rotate_checkpoint(folder, tmp, seed=seed, progress=False)
+        tmp.rename(rfolder)
+    return transformers.AutoModelForCausalLM.from_pretrained(rfolder, dtype=torch.float32).eval()
+
+
+def quantize_in_place(model, originals: dict, spec: dict, calib_batches) -> None:
+    """Replace every decoder linear by its quantized weight per `spec` (kind kbit / int / hqq;
+    `bits` one K or {module name: K})."""
+    kind, bits = spec["kind"], spec.get("bits")
+    k_of = (lambda n: bits[n]) if isinstance(bits, dict) else (lambda n: bits)
+    if kind == "kbit" and spec["method"] == "gptq":
+        def q(full, ws, h):
+            k = k_of(full[0])
+            cb = codebooks.named_codebook("nf0", k)
+            res = rounding.gptq_shared_input(ws, h, k, [cb] * len(ws))
+            return [kf.dequantize(qw, a, k, cb) for qw, a in res]
+        calibrate.quantize_sequential(model, calib_batches, q, "cpu", progress=False)
+        return
+    for n, m in decoder_linears(model).items():
+        w = originals[n]
+        if kind == "kbit":
+            new = kbit_weight(w, k_of(n), codebooks.named_codebook("nf0", k_of(n)), spec["method"])
+        elif kind == "int":
+            new = int_rtn(w, bits, spec["group"])
+        elif kind == "hqq":
+            new = hqq_weight(w, bits)
+        else:
+            new = w
+        m.weight.data.copy_(new)
+
+
+def strict_entries(bits_list, averages, methods):
+    """(name, spec, bits per weight): per K plain and rotated kbit, mixed averages, int / HQQ."""
+    out = [("fp32", {"kind": "fp32"}, 32.0), ("fp32 rotated", {"kind": "fp32", "rotate": True}, 32.0)]
+    for method in methods:
+        for b in bits_list:
+            for rot in (False, True):
+                out.append((f"kbit-{method}{'-rot' if rot else ''} K{b}",
+                            {"kind": "kbit", "method": method, "bits": b, "rotate": rot}, b + 0.25))
+        for avg in averages:
+            for rot in (False, True):
+                out.append((f"kbit-{method}{'-rot' if rot else ''} mixed {avg}",
+                            {"kind": "kbit", "method": method, "average": avg, "rotate": rot}, avg + 0.25))
+    for b in bits_list:
+        out += [(f"int-rtn-g64 {b}b", {"kind": "int", "bits": b, "group": 64}, b + (16 + b) / 64),
+                (f"hqq-g64 {b}b", {"kind": "hqq", "bits": b}, b + 32 / 64)]
+    return out
+
+
+def strict_main(args) -> None:
+    """Perplexity, KL and top-1 agreement against fp32 on two texts (held-out handbook and Python
+    library docs), kbit with and without rotation, mixed K, int RTN and HQQ; results under
+    "strict" in quality_smollm2.json."""
+    from vllm_kbit.quant import mixed
+
+    out_dir = Path(args.out)
+    jpath = out_dir / "quality_smollm2.json"
+    doc = json.loads(jpath.read_text()) if jpath.is_file() else {}
+    sec = doc.setdefault("strict", {})
+    sec["meta"] = {
+        "command": "python benchmarks/quality.py --strict" + (f" --only {' '.join(repr(o) for o in args.only)}" if args.only else ""),
+        "eval_tokens_per_text": args.eval_tokens, "window": WINDOW, "calib_windows": args.calib,
+        "texts": {"handbook": "debian-handbook sect.* pages, second half (calibration: first half)",
+                  "pydocs": "python3.11-doc library/*.rst.txt, every 7th file (never calibrated on)"},
+        "kl": "mean KL(p_fp32 || p_quantized) of the next-token distribution, nats per token",
+        "top1": "fraction of positions whose argmax equals fp32's",
+        "codebook": "nf0 (the converter's default) at every K; embeddings / lm_head fp32",
+        "mixed": "vllm_kbit.quant.mixed: K per fused group from the output noise-to-signal (rtn) at K = 2..5 "
+                 "on the calibration windows, greedy to the average K; bpw = average K + 8/32"}
+    results = sec.setdefault("results", {})
+
+    def save():
+        jpath.write_text(json.dumps(doc, indent=1) + "\n")
+
+    folder, tok, model = load_model()
+    texts = {"handbook": tok(handbook_text("eval"), return_tensors="pt").input_ids[0][: args.eval_tokens],
+             "pydocs": tok(pydocs_text(), return_tensors="pt").input_ids[0][: args.eval_tokens]}
+    calib_ids = tok(handbook_text("calib"), return_tensors="pt").input_ids[0]
+    calib = [calib_ids[i * WINDOW:(i + 1) * WINDOW].unsqueeze(0) for i in range(args.calib)]
+    refs = {t: reference_logprobs(model, ids) for t, ids in texts.items()}
+    models = {False: model}
+    originals = {False: {n: m.weight.data.clone() for n, m in decoder_linears(model).items()}}
+    sens = {}
+    todo = strict_entries(args.bits, args.averages, args.methods)
+    if args.only:
+        todo = [e for o in args.only for e in todo if e[0] == o] or [e for e in todo if any(o in e[0] for o in args.only)]
+    for name, spec, bpw in todo:
+        if name in results:
+            continue
+        rot = spec.get("rotate", False)
+        if rot not in models:
+            models[rot] = rotated_model(folder)
+            originals[rot] = {n: m.weight.data.clone() for n, m in decoder_linears(models[rot]).items()}
+        m = models[rot]
+        t0 = time.time()
+        extra = {}
+        if "average" in spec:
+            if rot not in sens:
+                t1 = time.time()
+                sens[rot] = mixed.measure(m, calib, progress=False)
+                extra["sensitivity_s"] = round(time.time() - t1, 1)
+            ks = mixed.allocate(sens[rot], spec["average"])
+            spec = dict(spec, bits=mixed.per_module(sens[rot], ks))
+            bpw = mixed.average_bits(sens[rot], ks) + 0.25
+            extra["k_histogram"] = {str(k): sum(1 for v in spec["bits"].values() if v == k) for k in mixed.CANDIDATES}
+        try:
+            quantize_in_place(m, originals[rot], spec, calib)
+            qtime = time.time() - t0
+            res = {t: strict_eval(m, ids, refs[t]) for t, ids in texts.items()}
+        except Exception as e:  # a baseline that cannot run here is reported, not faked
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:300], "bpw": bpw}
+            print(f"{name}: ERROR {e}", flush=True)
+        else:
+            results[name] = {"bpw": round(bpw, 4), "quantize_s": round(qtime, 1), **extra, **res}
+            print(f"{name:28s} bpw {bpw:6.3f}  " + "  ".join(
+                f"{t}: ppl {r['ppl']:9.2f} kl {r['kl']:.4f} top1 {r['top1']:.3f}" for t, r in res.items()), flush=True)
+        finally:
+            for n, lin in decoder_linears(m).items():
+                lin.weight.data.copy_(originals[rot][n])
+        save()
 
 
 # ----------------------------------------------------------------------------- main
@@ -402,8 +570,17 @@ def main():
     ap.add_argument("--minilm-only", action="store_true", help="only the MiniLM SQNR (to quality_minilm.json)")
     ap.add_argument("--fp8", action="store_true",
                     help="FP8 activations beside float activations and FP8 W8A8 (to quality_fp8_smollm2.json)")
+    ap.add_argument("--strict", action="store_true",
+                    help="perplexity + KL + top-1 against fp32 on two texts, with rotation and mixed K")
+    ap.add_argument("--averages", type=float, nargs="+", default=[2.5, 3.5], help="--strict: mixed-K averages")
+    ap.add_argument("--methods", nargs="+", default=["mse"], help="--strict: kbit methods")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.strict:
+        if args.bits == [3, 2, 4, 5]:
+            args.bits = [2, 3, 4]
+        strict_main(args)
+        return
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.fp8 and args.minilm_only:

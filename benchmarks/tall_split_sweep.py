@@ -14,10 +14,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemm import Timer, git_commit, kbit_method  # noqa: E402
-from vllm_kbit import ops  # noqa: E402,F401  (loads the kernels)
+from vllm_kbit import ops  # noqa: E402  (loads the kernels)
 
 SHAPES = "4096x4096,6144x4096,4096x14336,8192x8192,10240x8192,8192x28672,28672x4096,57344x8192"
-WGMMA, BITS = 4, 4
+WGMMA, BITS = ops.Path.WGMMA, 4
 
 
 def main(out):
@@ -30,14 +30,15 @@ def main(out):
         run, _ = kbit_method(n, k, BITS, WGMMA, 0)
         for m in ms:
             x = torch.randn(m, k, dtype=torch.float16, device="cuda")
-            res[(n, k, m, "planinfo")] = list(torch.ops.kbit.wgmma_plan(m, n, k, BITS, torch.float16, 0))
+            plan = ops.wgmma_plan(m, n, k, BITS, torch.float16)
+            res[(n, k, m, "planinfo")] = [plan.tile_m, plan.splits, plan.groups]  # (tests/test_wgmma_plan.py reads 0, 1)
             for _ in range(rounds):
                 res.setdefault((n, k, m, "plan"), []).append(timer(lambda: run(x, WGMMA, 0)))
                 for s in splits:
                     res.setdefault((n, k, m, f"t{s}"), []).append(timer(lambda: run(x, WGMMA, s, "wgmma.tile_m=256")))
             row = {c: statistics.mean(res[(n, k, m, c)]) for c in ["plan"] + [f"t{s}" for s in splits]}
             pl = res[(n, k, m, "planinfo")]
-            print(f"{n}x{k} M={m} plan(tile {pl[0]} s{pl[1]} g{pl[9]})={row['plan']:.1f} "
+            print(f"{n}x{k} M={m} plan(tile {pl[0]} s{pl[1]} g{pl[2]})={row['plan']:.1f} "
                   + " ".join(f"{c}={v:.1f}" for c, v in row.items() if c != "plan"), flush=True)
         del run
         torch.cuda.empty_cache()

@@ -28,6 +28,7 @@
 
 #include "dispatch/launchers.h"
 #include "dispatch/overrides.h"
+#include "dispatch/plan_fields.h"
 #include "moe/moe_launchers.h"
 
 namespace kbit {
@@ -225,10 +226,61 @@ void gemm_dequant(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
 // rule asks the wgmma plan, which is kept in *wgmma_plan for the launch (computed once a call).
 Path auto_path(DType dtype, int64_t m, int64_t n, int64_t k, int64_t bits, int num_sms, const PlanOverrides& o,
                std::optional<WgmmaPlan>* wgmma_plan) {
-  return choose_path(m, int(bits), wgmma_supported(), has_mma(), [&] {
+  return choose_path(device_heuristics(), m, int(bits), wgmma_supported(), has_mma(), [&] {
     *wgmma_plan = plan_wgmma(dtype, int(m), int(n), int(k), int(bits), num_sms, 0, o);
-    return (*wgmma_plan)->tile_m == 256;
+    return (*wgmma_plan)->tile_m() == 256;
   });
+}
+
+// What one kbit::gemm_path call runs: its path, and the plan (naming the kernel) of that path.
+struct CallPlan {
+  Path path = kDequantPath;
+  GemvPlan gemv;
+  MmaPlan mma{};
+  WgmmaPlan wgmma;
+};
+
+// The path and plan of a call (kbit::gemm_path's rules: kAutoPath with forced splits, a tuning
+// call, chooses the path as for splits = 0).
+CallPlan plan_call(DType dtype, int64_t m, int64_t n, int64_t k, int64_t bits, int num_sms, int64_t path_arg,
+                   int64_t splits, const PlanOverrides& o) {
+  CallPlan c;
+  std::optional<WgmmaPlan> wgmma_plan;
+  c.path = path_arg == kAutoPath ? auto_path(dtype, m, n, k, bits, num_sms, o, &wgmma_plan) : Path(path_arg);
+  TORCH_CHECK(c.path != kWgmmaPath || wgmma_supported(), msg("kbit::gemm_path: the wgmma path needs a build with ",
+              "TORCH_CUDA_ARCH_LIST containing 9.0a and a compute capability 9.0 GPU"));
+  TORCH_CHECK(c.path != kGemvPath || m <= kGemvMaxM, msg("kbit::gemm_path: the GEMV path serves M <= ", kGemvMaxM,
+              ", got M = ", m));
+  switch (c.path) {
+    case kGemvPath:
+      c.gemv = plan_gemv(dtype, int(m), int(n), int(k), int(bits), num_sms, int(splits), o);
+      break;
+    case kMmaPath:
+      c.mma = plan_mma(dtype, int(m), int(n), int(k), int(bits), num_sms, o.mma);
+      break;
+    case kWgmmaPath:
+      c.wgmma = wgmma_plan && splits == 0 ? *wgmma_plan
+                                          : plan_wgmma(dtype, int(m), int(n), int(k), int(bits), num_sms, int(splits), o);
+      break;
+    default:
+      break;
+  }
+  return c;
+}
+
+// The kernel a call plan launches, as core/kernel_keys.h describes keys.
+std::string describe(const CallPlan& c, DType dtype, int64_t bits) {
+  switch (c.path) {
+    case kGemvPath: return describe(c.gemv.key);
+    case kMmaPath: return describe(c.mma.key);
+    case kWgmmaPath: return describe(c.wgmma.key);
+    default: {
+      DequantKey key;
+      key.bits = int(bits);
+      key.dtype = dtype;
+      return describe(key) + " + cublas";
+    }
+  }
 }
 
 // The wgmma kernel's cluster-group counters: one zeroed int32 buffer per device and stream, left
@@ -308,14 +360,7 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
   if (a.m == 0) return y;
   const at::Tensor* bias = bias_opt.has_value() && bias_opt->defined() ? &*bias_opt : nullptr;
   const int num_sms = device_props(x).multiProcessorCount;
-  std::optional<WgmmaPlan> wgmma_plan;
-  // (kAuto with forced splits, a tuning call: the path is chosen as for splits = 0)
-  const Path path = path_arg == kAutoPath ? auto_path(a.dtype, a.m, a.n, a.k, bits, num_sms, o, &wgmma_plan)
-                                          : Path(path_arg);
-  TORCH_CHECK(path != kWgmmaPath || wgmma_supported(), msg("kbit::gemm_path: the wgmma path needs a build with ",
-              "TORCH_CUDA_ARCH_LIST containing 9.0a and a compute capability 9.0 GPU"));
-  TORCH_CHECK(path != kGemvPath || a.m <= kGemvMaxM, msg("kbit::gemm_path: the GEMV path serves M <= ", kGemvMaxM,
-              ", got M = ", a.m));
+  const CallPlan plan = plan_call(a.dtype, a.m, a.n, a.k, bits, num_sms, path_arg, splits, o);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // (on any path: the first eager call allocates them, dispatch may reach wgmma under capture)
   int* const counters = wgmma_supported() && o.wgmma.zeroed_counters ? zeroed_counters(x, stream) : nullptr;
@@ -324,23 +369,18 @@ at::Tensor gemm_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
                             bias != nullptr ? bias->data_ptr() : nullptr, y.data_ptr(),
                             int(a.m), int(a.n), int(a.k), int(bits)};
   at::Tensor ws;
-  switch (path) {
-    case kGemvPath: {
-      const GemvPlan plan = plan_gemv(int(a.m), int(a.n), int(a.k), int(bits), num_sms, int(splits), o);
-      check_cuda(launch_gemv(plan, ops, stream), "gemm (gemv)");
+  switch (plan.path) {
+    case kGemvPath:
+      check_cuda(launch_gemv(plan.gemv, ops, stream), "gemm (gemv)");
       break;
-    }
     case kMmaPath: {
-      const MmaPlan plan = plan_mma(int(a.m), int(a.n), int(a.k), int(bits), num_sms, o.mma);
-      void* w = workspace_ptr(ws, mma_workspace_bytes(plan), x);
-      check_cuda(launch_mma(plan, ops, w, stream), "gemm (mma)");
+      void* w = workspace_ptr(ws, mma_workspace_bytes(plan.mma), x);
+      check_cuda(launch_mma(plan.mma, ops, w, stream), "gemm (mma)");
       break;
     }
     case kWgmmaPath: {
-      if (!wgmma_plan || splits != 0)
-        wgmma_plan = plan_wgmma(a.dtype, int(a.m), int(a.n), int(a.k), int(bits), num_sms, int(splits), o);
-      void* w = workspace_ptr(ws, wg::workspace_bytes(*wgmma_plan), x);
-      check_cuda(launch_wgmma(*wgmma_plan, ops, w, counters, stream), "gemm (wgmma)");
+      void* w = workspace_ptr(ws, wg::workspace_bytes(plan.wgmma), x);
+      check_cuda(launch_wgmma(plan.wgmma, ops, w, counters, stream), "gemm (wgmma)");
       break;
     }
     default:
@@ -394,12 +434,11 @@ at::Tensor dequantize_tiled(const at::Tensor& packed, const at::Tensor& absmax, 
 
 // Stacked tiled experts: packed int32 [E, units * bits * 128], absmax uint8 [E, units * 128]
 // (row e = kbit::repack of expert e). Returns E.
-int64_t check_experts(const char* op, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
-                      int64_t bits, int64_t n, int64_t k, const at::Tensor& ref) {
+int64_t check_experts(const char* op, const at::Tensor& packed, const at::Tensor& absmax, int64_t bits, int64_t n,
+                      int64_t k, const at::Tensor& ref) {
   check_bits(bits);
   check_tensor(packed, "packed", at::kInt, ref);
   check_tensor(absmax, "absmax", at::kByte, ref);
-  check_codebook(codebook, bits, ref);
   TORCH_CHECK(k > 0 && k % kBlockSize == 0, msg("kbit::", op, ": k = ", k, " must be a positive multiple of 32"));
   TORCH_CHECK(n > 0, msg("kbit::", op, ": n must be positive"));
   TORCH_CHECK(n <= int64_t(65535) * kUnit && k < (int64_t(1) << 31), msg("kbit::", op, ": expert weight too large"));
@@ -416,6 +455,18 @@ int64_t check_experts(const char* op, const at::Tensor& packed, const at::Tensor
   return e;
 }
 
+// The experts' codebook: float32 [2^bits], one for all E experts, or [E, 2^bits], one per
+// expert (convert --fit-codebook). Returns the launchers' codebook stride: 0 or 2^bits.
+int check_expert_codebook(const char* op, const at::Tensor& codebook, int64_t bits, int64_t e, const at::Tensor& ref) {
+  check_tensor(codebook, "codebook", at::kFloat, ref);
+  const int64_t entries = int64_t(1) << bits;
+  const bool shared = codebook.dim() == 1 && codebook.size(0) == entries;
+  const bool per_expert = codebook.dim() == 2 && codebook.size(0) == e && codebook.size(1) == entries;
+  TORCH_CHECK(shared || per_expert, msg("kbit::", op, ": codebook has shape ", codebook.sizes(), "; bits=", bits,
+              " needs [", entries, "] (one for all experts) or [E = ", e, ", ", entries, "] (one per expert)"));
+  return per_expert ? int(entries) : 0;
+}
+
 void check_index(const char* op, const at::Tensor& t, const char* name, const at::Tensor& ref) {
   check_tensor(t, name, at::kInt, ref, /*align=*/4);
   TORCH_CHECK(t.dim() == 1, msg("kbit::", op, ": ", name, " must be 1-D, got ", t.sizes()));
@@ -430,7 +481,8 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Ten
               msg("kbit::moe_gemm: x must be float16 or bfloat16, got ", x.scalar_type()));
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, msg("kbit::moe_gemm: x must be [T, k = ", k, "], got ", x.sizes()));
   check_tensor(x, "x", x.scalar_type(), x);
-  const int64_t experts = check_experts("moe_gemm", packed, absmax, codebook, bits, n, k, x);
+  const int64_t experts = check_experts("moe_gemm", packed, absmax, bits, n, k, x);
+  const int cb_stride = check_expert_codebook("moe_gemm", codebook, bits, experts, x);
   check_index("moe_gemm", sorted_token_ids, "sorted_token_ids", x);
   check_index("moe_gemm", expert_ids, "expert_ids", x);
   check_index("moe_gemm", num_tokens_post_padded, "num_tokens_post_padded", x);
@@ -455,7 +507,7 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   at::Tensor y = at::empty({num_pairs, n}, x.options());
   check_cuda(launch_moe_gemm(to_dtype(x.scalar_type()), x.data_ptr(),
                              reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), absmax.data_ptr<uint8_t>(),
-                             codebook.data_ptr<float>(), sorted_token_ids.data_ptr<int32_t>(),
+                             codebook.data_ptr<float>(), cb_stride, sorted_token_ids.data_ptr<int32_t>(),
                              expert_ids.data_ptr<int32_t>(), num_tokens_post_padded.data_ptr<int32_t>(), weights,
                              y.data_ptr(), int(experts), int(num_pairs), int(num_sorted), int(block_m), int(top_k),
                              int(n), int(k), int(bits), at::cuda::getCurrentCUDAStream()),
@@ -466,14 +518,16 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Ten
 at::Tensor dequantize_experts(const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
                               int64_t bits, int64_t n, int64_t k, at::ScalarType dtype) {
   TORCH_CHECK(packed.is_cuda(), msg("kbit::dequantize_experts: packed must be a CUDA tensor"));
-  const int64_t experts = check_experts("dequantize_experts", packed, absmax, codebook, bits, n, k, packed);
+  const int64_t experts = check_experts("dequantize_experts", packed, absmax, bits, n, k, packed);
+  const int cb_stride = check_expert_codebook("dequantize_experts", codebook, bits, experts, packed);
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
               msg("kbit::dequantize_experts: dtype must be float16, bfloat16 or float32, got ", dtype));
   const c10::cuda::CUDAGuard guard(packed.device());
   at::Tensor w = at::empty({experts, n, k}, packed.options().dtype(dtype));
   check_cuda(launch_dequantize_experts(to_dtype(dtype), reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
-                                       absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(), w.data_ptr(),
-                                       int(experts), int(n), int(k), int(bits), at::cuda::getCurrentCUDAStream()),
+                                       absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(), cb_stride,
+                                       w.data_ptr(), int(experts), int(n), int(k), int(bits),
+                                       at::cuda::getCurrentCUDAStream()),
              "dequantize_experts");
   return w;
 }
@@ -487,7 +541,7 @@ int64_t gemv_max_m_op(int64_t bits) {
 
 int64_t dequant_min_m_op(int64_t bits) {
   check_bits(bits);
-  return dequant_min_m(int(bits));
+  return dequant_min_m(device_heuristics(), int(bits));
 }
 
 bool has_mma_op() { return has_mma(); }
@@ -508,16 +562,23 @@ bool has_wgmma_op() { return wgmma_supported(); }
 
 int64_t wgmma_max_m_op(int64_t bits) {
   check_bits(bits);
-  return wgmma_max_m(int(bits));
+  return wgmma_max_m(device_heuristics(), int(bits));
 }
 
 int64_t wgmma_short_max_m_op(int64_t bits) {
   check_bits(bits);
-  return wgmma_short_max_m(int(bits));
+  return wgmma_short_max_m(device_heuristics(), int(bits));
 }
 
-// The plan ops return a plan's fields as a list, in the order the schemas below name them;
-// vllm_kbit/ops.py wraps each in a named tuple of those names (GemvPlan, MmaPlan, WgmmaPlan).
+DType plan_dtype(const c10::optional<at::ScalarType>& dtype, const char* op) {
+  const at::ScalarType t = dtype.value_or(at::kHalf);
+  TORCH_CHECK(t == at::kHalf || t == at::kBFloat16, msg("kbit::", op, ": dtype must be float16 or bfloat16, got ", t));
+  return to_dtype(t);
+}
+
+// The plan ops return a plan's fields as a list, its kernel's key first, in the order
+// dispatch/plan_fields.h names them; vllm_kbit/ops.py wraps each in a named tuple of those names
+// (GemvPlan, MmaPlan, WgmmaPlan).
 std::vector<int64_t> wgmma_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits, at::ScalarType dtype,
                                    int64_t splits, c10::string_view overrides) {
   check_bits(bits);
@@ -526,47 +587,62 @@ std::vector<int64_t> wgmma_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits
   TORCH_CHECK(splits >= 0 && splits <= 16, msg("kbit::wgmma_plan: splits must be 0..16"));
   const PlanOverrides o = overrides_from(std::string(overrides), "wgmma_plan");
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const WgmmaPlan p = plan_wgmma(to_dtype(dtype), int(m), int(n), int(k), int(bits), num_sms, int(splits), o);
-  return {p.tile_m, p.splits, p.grid_x(), p.token_tiles, p.column_groups, p.columns, p.launch_per_sm, p.row_split,
-          p.built_per_sm, p.groups};
+  const DType dt = plan_dtype(dtype, "wgmma_plan");
+  return field_values(wgmma_plan_fields(plan_wgmma(dt, int(m), int(n), int(k), int(bits), num_sms, int(splits), o)));
 }
 
 std::vector<int64_t> gemv_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits, int64_t splits,
-                                  c10::string_view overrides) {
+                                  c10::string_view overrides, const c10::optional<at::ScalarType>& dtype) {
   check_bits(bits);
   TORCH_CHECK(m > 0 && m <= kGemvMaxM && n > 0 && k > 0 && k % kBlockSize == 0, msg("kbit::gemv_plan: bad shape"));
   TORCH_CHECK(splits >= 0 && splits <= 16, msg("kbit::gemv_plan: splits must be 0..16"));
   const PlanOverrides o = overrides_from(std::string(overrides), "gemv_plan");
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const GemvPlan p = plan_gemv(int(m), int(n), int(k), int(bits), num_sms, int(splits), o);
-  const gemv::Clusters cl = gemv_device_clusters();
-  std::vector<int64_t> out = {p.splits, p.warps, p.slabs};
-  for (int s = 1; s <= gemv::kMaxSplits; ++s) out.push_back(cl.n[s]);
-  return out;
+  const GemvPlan p = plan_gemv(plan_dtype(dtype, "gemv_plan"), int(m), int(n), int(k), int(bits), num_sms,
+                               int(splits), o);
+  return field_values(gemv_plan_fields(p, gemv_device_clusters()));
 }
 
-std::vector<int64_t> mma_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits, c10::string_view overrides) {
+std::vector<int64_t> mma_plan_op(int64_t m, int64_t n, int64_t k, int64_t bits, c10::string_view overrides,
+                                 const c10::optional<at::ScalarType>& dtype) {
   check_bits(bits);
   TORCH_CHECK(has_mma(), msg("kbit::mma_plan: this build has no tensor-core kernel"));
   TORCH_CHECK(m > 0 && n > 0 && k > 0 && k % kBlockSize == 0, msg("kbit::mma_plan: bad shape"));
   const PlanOverrides o = overrides_from(std::string(overrides), "mma_plan");
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const MmaPlan p = plan_mma(int(m), int(n), int(k), int(bits), num_sms, o.mma);
-  const mma::CfgDesc d = mma::cfg_desc(p.cfg);
-  return {p.cfg, d.tile_m, d.tile_n, p.splits, p.kt_per_split, p.items, p.grid, int64_t(mma_workspace_bytes(p))};
+  return field_values(mma_plan_fields(plan_mma(plan_dtype(dtype, "mma_plan"), int(m), int(n), int(k), int(bits),
+                                               num_sms, o.mma)));
 }
+
+// The kernel kbit::gemm_path(..., path, splits, overrides) launches for this shape on the current
+// device (kbit::gemm's: path 0, no overrides), as core/kernel_keys.h describes its key.
+std::string gemm_kernel_op(int64_t m, int64_t n, int64_t k, int64_t bits, at::ScalarType dtype, int64_t path,
+                           int64_t splits, c10::string_view overrides) {
+  check_bits(bits);
+  TORCH_CHECK(m > 0 && n > 0 && k > 0 && k % kBlockSize == 0, msg("kbit::gemm_kernel: bad shape"));
+  TORCH_CHECK(path >= kAutoPath && path <= kWgmmaPath, msg("kbit::gemm_kernel: path must be 0..4, got ", path));
+  TORCH_CHECK(splits >= 0 && splits <= 16, msg("kbit::gemm_kernel: splits must be 0..16"));
+  const PlanOverrides o = overrides_from(std::string(overrides), "gemm_kernel");
+  const DType dt = plan_dtype(dtype, "gemm_kernel");
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return describe(plan_call(dt, m, n, k, bits, num_sms, path, splits, o), dt, bits);
+}
+
+// The MoE GEMV kernel kbit::moe_gemm launches for a bit width and dtype.
+std::string moe_kernel_op(int64_t bits, at::ScalarType dtype) {
+  check_bits(bits);
+  return describe(moe_key(int(bits), plan_dtype(dtype, "moe_kernel")));
+}
+
+// The name of the current device's heuristics table (dispatch/heuristics.h).
+std::string heuristics_op() { return device_heuristics().name; }
 
 }  // namespace
 }  // namespace kbit
 
 // C++-only helper ops (tests, benchmarks). The public schemas live in vllm_kbit/ops.py.
 // `overrides`: plan overrides, "key=value,..." (dispatch/overrides.h lists the keys).
-// Plan ops' fields, in order:
-//   gemv_plan:  splits, warps, slabs (0: x not resident), then clusters[1..8] (one-per-SM CTAs in
-//               clusters of s the device runs at once; 0 without clusters)
-//   mma_plan:   config, tile_m, tile_n, splits, k_tiles_per_split, items, grid, workspace_bytes
-//   wgmma_plan: tile_m, splits (CTAs per cluster), grid_x (splits x groups), token_tiles,
-//               column_groups, columns, launch_per_sm, row_split, built_per_sm, groups
+// The plan ops' fields: dispatch/plan_fields.h.
 TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("gemm_path(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, int n, int k, "
         "Tensor? bias, int path, int splits=0, str overrides=\"\") -> Tensor");
@@ -582,8 +658,14 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("auto_path(int m, int n, int k, int bits, ScalarType dtype, str overrides=\"\") -> int", &kbit::auto_path_op);
   m.def("wgmma_plan(int m, int n, int k, int bits, ScalarType dtype, int splits=0, str overrides=\"\") -> int[]",
         &kbit::wgmma_plan_op);
-  m.def("gemv_plan(int m, int n, int k, int bits, int splits=0, str overrides=\"\") -> int[]", &kbit::gemv_plan_op);
-  m.def("mma_plan(int m, int n, int k, int bits, str overrides=\"\") -> int[]", &kbit::mma_plan_op);
+  m.def("gemv_plan(int m, int n, int k, int bits, int splits=0, str overrides=\"\", ScalarType? dtype=None) -> int[]",
+        &kbit::gemv_plan_op);
+  m.def("mma_plan(int m, int n, int k, int bits, str overrides=\"\", ScalarType? dtype=None) -> int[]",
+        &kbit::mma_plan_op);
+  m.def("gemm_kernel(int m, int n, int k, int bits, ScalarType dtype, int path=0, int splits=0, "
+        "str overrides=\"\") -> str", &kbit::gemm_kernel_op);
+  m.def("moe_kernel(int bits, ScalarType dtype) -> str", &kbit::moe_kernel_op);
+  m.def("heuristics() -> str", &kbit::heuristics_op);
 }
 
 TORCH_LIBRARY_IMPL(kbit, CUDA, m) {

@@ -1,38 +1,163 @@
 #!/usr/bin/env python3
-"""Writes csrc/<part>/instantiations/<part>_k<BITS>.cu: one small file per kernel family and bit
-width, each instantiating that bit width's launchers (and with them its kernels) through the
-family's KBIT_<PART>_INSTANTIATE_BITS macro, so the builds compile them in parallel.
+"""Writes the kernel instantiations and their key -> kernel selectors (as vLLM's Marlin generator
+writes its kernel_selector.h): for each family (GEMV, mma.sync, wgmma, MoE GEMV) and bit width,
+csrc/<family>/instantiations/<family>_k<BITS>.cu defines one selector entry per compiled kernel
+(kernel_entry<...>(): its launch and what the planner needs to know of it), and
+csrc/<family>/<family>_kernels.h declares every entry and maps a key (core/kernel_keys.h) to
+its entry. The lists below are the kernels the planners can name; a key no entry matches gets
+nullptr (the launcher's cudaErrorInvalidValue), so a planner and this list cannot disagree
+quietly.
 
-Run it after adding a family or a bit width: python3 csrc/generate_instantiations.py
+Run it after changing a list: python3 csrc/generate_instantiations.py
 (--check: exit 1 if a file on disk differs from what it would write)."""
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 BITS = (2, 3, 4, 5)
-# part: (header, namespace, macro)
+DTYPES = (("f16", "__half", "DType::kHalf"), ("bf16", "__nv_bfloat16", "DType::kBFloat16"))
+LUT_BITS = (3, 4)  # the bit widths with a pair table in shared memory (core/decode.cuh, PairTable)
+
+
+def gemv_keys(bits):
+    """(mt, warps, wide, x_smem, slabs) of every GEMV kernel of a bit width (gemv_kernel.cuh)."""
+    def wide_lut(mt, warps):  # gemv_kernel.cuh, wide_lut: one CTA per SM (min_blocks == 1)
+        min_blocks = 4 if warps == 4 else 1 if mt > 1 else 2 if warps == 8 else 1
+        return bits in LUT_BITS and min_blocks == 1 and not (bits == 4 and mt == 2 and warps == 16)
+
+    keys = []
+    for mt, warps, x_smem in ((1, 4, False), (1, 8, False), (1, 16, False), (2, 4, True), (2, 16, True),
+                              (2, 8, False)):
+        keys.append((mt, warps, False, x_smem, 0))
+        if warps != 4 and wide_lut(mt, warps):
+            keys.append((mt, warps, True, x_smem, 0))
+    for mt in (1, 2):  # x resident: 16-warp CTAs of 2, 4 or 16 slabs, 15-warp CTAs of 15
+        for slabs in (2, 4, 15, 16):
+            keys.append((mt, 15 if slabs == 15 else 16, False, True, slabs))
+            if bits in LUT_BITS and slabs != 2:
+                keys.append((mt, 15 if slabs == 15 else 16, True, True, slabs))
+    return keys
+
+
+def wgmma_keys(bits):
+    """(tile_m, columns, row_split, built_per_sm, split_tall) of every wgmma kernel (wgmma_plan.h
+    names them: 512-column CTAs only forced, the rest by the plan)."""
+    return [(256, 128, 2, 1, False), (256, 128, 2, 1, True),
+            (16, 512, 1, 1, False), (32, 512, 1, 1, False), (64, 512, 1, 1, False),
+            (16, 256, 1, 2, False), (32, 256, 2, 2, False), (32, 256, 1, 2, False),
+            (64, 256, 2, 1, False), (64, 256, 2, 2, False), (128, 256, 2, 1, False)]
+
+
+def b(v):
+    return "true" if v else "false"
+
+
+# family: header the instantiations include, namespace, entry type, key type, keys(bits) ->
+# [(name suffix, template arguments given the C++ type, key condition)]
+def gemv_family(bits):
+    for mt, warps, wide, x_smem, slabs in gemv_keys(bits):
+        name = f"mt{mt}_w{warps}_{'wide' if wide else 'packed'}_{'xsmem' if x_smem else 'xreg'}_g{slabs}"
+        cond = f"k.mt == {mt} && k.warps == {warps} && k.wide == {b(wide)} && k.x_smem == {b(x_smem)} && k.slabs == {slabs}"
+        yield name, lambda t, a=(mt, warps, wide, x_smem, slabs): f"{bits}, {a[0]}, {t}, {a[1]}, {b(a[2])}, {b(a[3])}, {a[4]}", cond
+
+
+def mma_family(bits):
+    for cfg in (0, 1, 2):
+        yield f"cfg{cfg}", lambda t, c=cfg: f"{t}, {bits}, {c}", f"k.cfg == {cfg}"
+
+
+def wgmma_family(bits):
+    for mt, cn, r, cps, tall in wgmma_keys(bits):
+        name = f"mt{mt}_cn{cn}_r{r}_cps{cps}" + ("_split_tall" if tall else "")
+        cond = (f"k.tile_m == {mt} && k.columns == {cn} && k.row_split == {r} && k.built_per_sm == {cps} && "
+                f"k.split_tall == {b(tall)}")
+        yield name, lambda t, a=(mt, cn, r, cps, tall): f"{bits}, {a[0]}, {a[1]}, {a[2]}, {a[3]}, {t}, {b(a[4])}", cond
+
+
+def moe_family(bits):
+    yield "gemv", lambda t: f"{bits}, {t}", "true"
+
+
 PARTS = {
-    "gemv": ("gemv/gemv_kernel.cuh", "gemv", "KBIT_GEMV_INSTANTIATE_BITS"),
-    "mma": ("mma/mma_kernel.cuh", "mma", "KBIT_MMA_INSTANTIATE_BITS"),
-    "wgmma": ("wgmma/wgmma_kernel.cuh", "wg", "KBIT_WGMMA_INSTANTIATE_BITS"),
+    # part: (kernel header, config header, namespace, entry, key, family, what)
+    "gemv": ("gemv/gemv_kernel.cuh", "gemv/gemv_config.h", "gemv", "GemvKernel", "GemvKey", gemv_family,
+             "GEMV kernels (1 <= M <= 16)"),
+    "mma": ("mma/mma_kernel.cuh", "mma/mma_config.h", "mma", "MmaKernel", "MmaKey", mma_family,
+            "mma.sync kernels"),
+    "wgmma": ("wgmma/launch.cuh", "wgmma/wgmma_config.h", "wg", "WgmmaKernel", "WgmmaKey", wgmma_family,
+              "wgmma kernels (sm_90a)"),
+    "moe": ("moe/moe_gemv_kernel.cuh", "moe/moe_config.h", "moe", "MoeKernel", "MoeKey", moe_family,
+            "MoE expert GEMV kernels"),
 }
-TEMPLATE = """\
-// Generated by csrc/generate_instantiations.py: the {part} kernels for K = {bits} bits.
-#include "{header}"
+
+
+def entry_name(part, bits, dt, suffix):
+    return f"{part}_k{bits}_{dt}_{suffix}"
+
+
+def selector(part):
+    kernel_header, config, ns, entry, key, family, what = PARTS[part]
+    decls, cases = [], []
+    for bits in BITS:
+        lines = []
+        for dt, _, dtype in DTYPES:
+            for suffix, _, cond in family(bits):
+                name = entry_name(part, bits, dt, suffix)
+                decls.append(f"extern const {entry} {name};")
+                full = f"k.dtype == {dtype}" + ("" if cond == "true" else f" && {cond}")
+                lines.append(f"      if ({full}) return &{name};")
+        cases.append(f"    case {bits}:\n" + "\n".join(lines) + "\n      return nullptr;")
+    return f"""\
+// Generated by csrc/generate_instantiations.py: the {what}, one entry per compiled kernel
+// (defined in {part}/instantiations/{part}_k<BITS>.cu), and the key -> kernel selector.
+#pragma once
+#include "core/kernel_keys.h"
+#include "{config}"
 
 namespace kbit {{
-namespace {namespace} {{
-{macro}({bits});
-}}  // namespace {namespace}
+namespace {ns} {{
+
+{chr(10).join(decls)}
+
+// The compiled kernel `k` names; nullptr where none is built.
+inline const {entry}* select_kernel(const {key}& k) {{
+  switch (k.bits) {{
+{chr(10).join(cases)}
+  }}
+  return nullptr;
+}}
+
+}}  // namespace {ns}
+}}  // namespace kbit
+"""
+
+
+def instantiation(part, bits):
+    kernel_header, config, ns, entry, key, family, what = PARTS[part]
+    defs = []
+    for dt, ctype, _ in DTYPES:
+        for suffix, args, _ in family(bits):
+            defs.append(f"const {entry} {entry_name(part, bits, dt, suffix)} = kernel_entry<{args(ctype)}>();")
+    return f"""\
+// Generated by csrc/generate_instantiations.py: the {what} for K = {bits} bits.
+#include "{kernel_header}"
+#include "{part}/{part}_kernels.h"
+
+namespace kbit {{
+namespace {ns} {{
+
+{chr(10).join(defs)}
+
+}}  // namespace {ns}
 }}  // namespace kbit
 """
 
 
 def files():
-    for part, (header, namespace, macro) in PARTS.items():
+    for part in PARTS:
+        yield os.path.join(ROOT, part, f"{part}_kernels.h"), selector(part)
         for bits in BITS:
-            path = os.path.join(ROOT, part, "instantiations", f"{part}_k{bits}.cu")
-            yield path, TEMPLATE.format(part=part, bits=bits, header=header, namespace=namespace, macro=macro)
+            yield os.path.join(ROOT, part, "instantiations", f"{part}_k{bits}.cu"), instantiation(part, bits)
 
 
 def main():

@@ -25,10 +25,10 @@ def main() -> int:
     args = parser.parse_args()
     if len(args.paths) != (1 if args.demo else 2):
         parser.error("--demo takes DST only (it makes SRC)" if args.demo else "give SRC and DST (or --demo DST)")
-    from vllm_kbit.convert import CLI_ERRORS, cli_error, convert  # (torch: after the usage checks)
+    from vllm_kbit.convert import CLI_ERRORS, cli_error, cli_spelling, convert  # (torch: after the usage checks)
 
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
+    try:  # cli_spelling: errors name this script's options (--overwrite), not convert()'s (overwrite=True)
+        with tempfile.TemporaryDirectory() as tmp, cli_spelling():
             if args.demo:
                 from vllm_kbit.synthetic import make_random_llama
 

@@ -19,7 +19,7 @@ printf '%s\n' "${SOURCES[@]}" | xargs -P "$(nproc)" -I{} sh -c \
 echo "check_cuda_compile: ${#SOURCES[@]} sources compile for sm_80 and sm_90a"
 
 # The wgmma kernel's 128-token tiles hand registers from the producer warpgroup to the consumers
-# (setmaxnreg 40 / 232, wgmma/wgmma_kernel.cuh Cfg::kProducer): the raise waits until the pool holds
+# (setmaxnreg 40 / 232, wgmma/config.cuh Cfg::kProducer): the raise waits until the pool holds
 # 8 x 232 + 4 x 40 registers a warp, which needs the launch's 168 a thread (64 K / 384). Any
 # other count (a changed launch bound, -maxrregcount) would hang the kernel, so it fails here.
 # cuobjdump: on PATH, next to nvcc, or the copy triton ships (installed with vLLM's dependencies)

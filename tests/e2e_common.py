@@ -27,8 +27,10 @@ def dequantized_copy(kbit_dir: Path, dst: Path) -> Path:
     for name, t in tensors.items():
         if name.endswith(".qweight"):
             p = name[: -len(".qweight")]
-            layer_cb = tensors.get(p + ".codebook", cb)  # convert --fit-codebook
-            out[p + ".weight"] = kf.dequantize(t, tensors[p + ".absmax"], qc["bits"], layer_cb, dtype=torch.bfloat16)
+            bits = qc.get("bits_per_layer", {}).get(p, qc["bits"])  # mixed K: the layer's own
+            base = torch.tensor(qc["codebooks"][str(bits)]) if bits != qc["bits"] else cb
+            layer_cb = tensors.get(p + ".codebook", base)  # convert --fit-codebook
+            out[p + ".weight"] = kf.dequantize(t, tensors[p + ".absmax"], bits, layer_cb, dtype=torch.bfloat16)
         elif not name.endswith((".absmax", ".codebook")):
             out[name] = t
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})

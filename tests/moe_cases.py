@@ -8,7 +8,8 @@
   pair id, a real expert): vLLM leaves that tail unspecified, so a kernel must not read it.
 * align: vLLM's moe_align_block_size where it runs (a CUDA build of vLLM), else align_ref.
 * moe_reference: float64 y[p] = x[p // top_k] @ W_e^T (* topk_weights[p]) from the routing
-  itself (independent of the sorting), rows of experts off this rank 0.
+  itself (independent of the sorting), rows of experts off this rank 0; moe_expected: the same
+  as a kernel_check.Reference, the per-element comparison every MoE kernel test makes.
 """
 import functools
 
@@ -16,6 +17,8 @@ import torch
 
 from vllm_kbit import format as kf
 from vllm_kbit import ops
+
+import kernel_check as kc
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -87,7 +90,7 @@ def make_experts(num_experts, n, k, bits, device, seed):
     qs, as_ = [], []
     for e in range(num_experts):
         w = torch.randn(n, k, generator=g, device=device) * (0.02 * (1 + e % 5))
-        q, a, _ = ops.quantize(w, bits)
+        q, a, _ = ops.quantize(w, bits, cb)
         qs.append(q)
         as_.append(a)
     qweight, absmax = torch.stack(qs), torch.stack(as_)
@@ -115,6 +118,12 @@ def moe_reference(x, topk_ids, topk_weights, w64, top_k, expert_map=None):
     if topk_weights is not None:
         y *= topk_weights.reshape(-1, 1).double()
     return y
+
+
+def moe_expected(x, topk_ids, topk_weights, w64, top_k, expert_map=None):
+    """moe_reference as a kernel_check.Reference (the bound of each element from its own pair)."""
+    return kc.reference(lambda a, w: moe_reference(a, topk_ids, None, w, top_k, expert_map), x, w64,
+                        row_weights=topk_weights)
 
 
 def row_errors(y, ref):

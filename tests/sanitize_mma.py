@@ -18,7 +18,7 @@ import torch
 
 import gemm_cases  # tests/ is this script's directory, so on sys.path
 from gemm_cases import sanitize_case
-from vllm_kbit import ops  # noqa: F401  (registers the ops, loads vllm_kbit._C)
+from vllm_kbit import ops  # (registers the ops, loads vllm_kbit._C)
 
 CASES = [  # m, n, k, bits, dtype, bias, forced (config, splits) (None: the heuristic's plan)
     (5, 200, 96, 3, torch.float16, True, None),         # cfg 0, N tail inside a unit, K % 64 == 32
@@ -38,10 +38,10 @@ def main():
         if force:
             gemm_cases.OVERRIDES.update({"mma.config": force[0], "mma.splits": force[1]})
         ok, err = sanitize_case(2, m, n, k, bits, dtype, bias)
-        plan = torch.ops.kbit.mma_plan(m, n, k, bits, gemm_cases.overrides())
+        plan = ops.mma_plan(m, n, k, bits, gemm_cases.overrides(), dtype)
         bad += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} m={m} n={n} k={k} bits={bits} {dtype} cfg={plan[0]} "
-              f"splits={plan[3]} relerr={err:.2e}", flush=True)
+        print(f"{'ok  ' if ok else 'FAIL'} m={m} n={n} k={k} bits={bits} {dtype} {plan.kernel} "
+              f"splits={plan.splits} relerr={err:.2e}", flush=True)
     torch.cuda.synchronize()
     sys.exit(1 if bad else 0)
 

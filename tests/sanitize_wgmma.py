@@ -17,7 +17,7 @@ import torch
 
 import gemm_cases  # tests/ is this script's directory, so on sys.path
 from gemm_cases import sanitize_case
-from vllm_kbit import ops  # noqa: F401  (registers the ops, loads vllm_kbit._C)
+from vllm_kbit import ops  # (registers the ops, loads vllm_kbit._C)
 
 CASES = [  # m, n, k, bits, dtype, bias, splits (0: the plan's)[, wgmma.one_per_sm[, .groups[, .tile_m]]]
     (17, 200, 96, 3, torch.float16, True, 0),         # tile 32 (two warpgroups), slabs past N, K % 64 == 32
@@ -63,10 +63,10 @@ def main():
         gemm_cases.OVERRIDES.clear()  # (-1, 0: the plan's own)
         gemm_cases.OVERRIDES.update(zip(("wgmma.one_per_sm", "wgmma.groups", "wgmma.tile_m"), map(int, one)))
         ok, err = sanitize_case(4, m, n, k, bits, dtype, bias, splits)
-        plan = torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits, gemm_cases.overrides())
+        plan = ops.wgmma_plan(m, n, k, bits, dtype, splits, gemm_cases.overrides())
         bad += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} m={m} n={n} k={k} bits={bits} {dtype} tile_m={plan[0]} "
-              f"splits={plan[1]} row_split={plan[7]} per_sm={plan[8]} groups={plan[9]} relerr={err:.2e}", flush=True)
+        print(f"{'ok  ' if ok else 'FAIL'} m={m} n={n} k={k} bits={bits} {dtype} {plan.kernel} "
+              f"splits={plan.splits} groups={plan.groups} relerr={err:.2e}", flush=True)
     torch.cuda.synchronize()
     sys.exit(1 if bad else 0)
 

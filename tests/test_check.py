@@ -88,3 +88,19 @@ def test_check_on_the_gpu_passes():
     assert p.returncode == 0, p.stdout + p.stderr
     assert "GEMV (M = 1): ok" in p.stdout and "OK: kbit layers use the CUDA kernels" in p.stdout
     assert "MoE experts (moe_gemm, 2 tokens x top-2): ok" in p.stdout
+
+
+def test_check_without_vllm_is_not_ok():
+    # the converter works without vLLM, serving does not: the check says so and fails
+    code = "import sys; sys.modules['vllm'] = None; from vllm_kbit.check import run; sys.exit(run())"
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_KBIT_REFERENCE")}
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "vLLM: not importable" in p.stdout and "PROBLEM: vLLM is not installed" in p.stdout
+    assert "OK:" not in p.stdout and "pip install vllm==0.24.0" in p.stdout
+
+
+def test_gpu_problem_says_what_is_missing_once():
+    if torch.cuda.is_available():
+        pytest.skip("the message of a machine without a GPU")
+    assert check.gpu_problem() == "no CUDA GPU is visible (torch.cuda.is_available() is False)"

@@ -9,13 +9,15 @@ import pytest
 import torch
 
 import gemm_cases
+import kernel_check as kc
 from vllm_kbit import format as kf
 from vllm_kbit import ops
 
 pytestmark = pytest.mark.gpu
 
-PATHS = {1: None, 2: "has_mma", 3: None, 4: "has_wgmma"}  # None: in every build of the extension
-M_FOR_PATH = {1: (1, 4), 2: (33, 256), 3: (64, 300), 4: (64, 256)}
+PATHS = {ops.Path.GEMV: None, ops.Path.MMA: "has_mma", ops.Path.DEQUANT: None,
+         ops.Path.WGMMA: "has_wgmma"}  # None: in every build of the extension
+M_FOR_PATH = {ops.Path.GEMV: (1, 4), ops.Path.MMA: (33, 256), ops.Path.DEQUANT: (64, 300), ops.Path.WGMMA: (64, 256)}
 
 
 def available(path):
@@ -49,8 +51,6 @@ def test_path_reads_the_given_codebook(path, bits, dtype):
         x = torch.randn(m, k, device="cuda").to(dtype)
         y = gemm_cases.run(path, x, packed, absmax, cb, bits, n, k)
         assert torch.isfinite(y).all(), f"path {path} m={m}: non-finite output"
-        ref = x.double() @ w.t()
-        err = ((y.double() - ref).norm() / ref.norm()).item()
-        assert err < gemm_cases.TOL[dtype], f"path {path} bits {bits} m={m} {dtype}: relative error {err:.3e}"
+        kc.assert_close(y, kc.matmul(x, w), dtype, f"path {path} bits {bits} m={m} {dtype}")
         ref_nf = x.double() @ w_nf.t()
         assert ((y.double() - ref_nf).norm() / ref_nf.norm()).item() > 0.05, "the NF codebook's result"

@@ -82,8 +82,9 @@ def _erfinv(y):
 @pytest.mark.parametrize("bits,min_db", [(2, 7.3), (3, 14.9), (4, 21.1), (5, 26.2)])
 def test_sqnr_normal_4m(bits, min_db):
     w = torch.randn(2048, 2048, generator=torch.Generator().manual_seed(100 + bits))  # 4M samples
-    q, a = kf.quantize(w, bits)
-    assert kf.sqnr_db(w, kf.dequantize(q, a, bits)) >= min_db
+    cb = kf.normal_float_codebook(bits)
+    q, a = kf.quantize(w, bits, cb)
+    assert kf.sqnr_db(w, kf.dequantize(q, a, bits, cb)) >= min_db
 
 
 def assert_nearest_entries(w, q, a, bits, cb):
@@ -97,9 +98,9 @@ def assert_nearest_entries(w, q, a, bits, cb):
 @pytest.mark.parametrize("bits", BITS)
 def test_quantize_picks_nearest_codebook_entry(bits):
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(bits)) * 0.05
-    q, a = kf.quantize(w, bits)
+    q, a = kf.quantize(w, bits)  # the default codebook, nf0
     assert q.shape == (64, 256 // 32 * bits) and a.shape == (64, 8) and a.dtype == torch.uint8
-    cb = kf.normal_float_codebook(bits).double()
+    cb = kf.nf0_codebook(bits).double()
     assert_nearest_entries(w, q, a, bits, cb)
     # the block scale is the E4M4 value nearest the block's true absmax
     amax = w.abs().reshape(64, 8, 32).amax(-1)

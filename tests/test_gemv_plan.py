@@ -5,6 +5,7 @@ launch relies on. Skipped where there is no nvcc."""
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -19,3 +20,10 @@ def test_gemv_plan(tmp_path):
                     os.path.join(ROOT, "tests", "cpp", "gemv_plan_test.cu")], check=True, timeout=300)
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and " 0 failed" in r.stdout, r.stdout[-4000:]
+    # every kernel the plans named is one csrc/generate_instantiations.py builds
+    sys.path.insert(0, os.path.join(ROOT, "csrc"))
+    import generate_instantiations as gen
+    keys = [tuple(int(v) for v in line.split()[1:]) for line in r.stdout.splitlines() if line.startswith("key ")]
+    assert len(keys) > 20
+    for bits, mt, warps, wide, x_smem, slabs in keys:
+        assert (mt, warps, bool(wide), bool(x_smem), slabs) in gen.gemv_keys(bits), (bits, mt, warps, wide, x_smem, slabs)

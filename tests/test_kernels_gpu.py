@@ -2,8 +2,8 @@
 
 Skipped cleanly without a GPU or without the built extension. References:
   * repack / quantize / dequantize: bit-exact against vllm_kbit/layout.py and format.py;
-  * gemm: relative error ||y - ref|| / ||ref|| against float64 x @ dequantize(W, float64)^T
-    (+ bias): < 2e-3 for fp16, < 1e-2 for bf16.
+  * gemm: every element against float64 x @ dequantize(W, float64)^T (+ bias) within the bound
+    of tests/kernel_check.py (derived from the dtype and K; one wrong block fails it).
 Every gemm call sees fresh random inputs and an output buffer the caching allocator hands
 back from a NaN-filled block (so an unwritten element shows up as NaN).
 """
@@ -20,15 +20,15 @@ from vllm_kbit import layout as kl
 from vllm_kbit import ops
 
 import gemm_cases
+import kernel_check as kc
 
 HAVE_KERNELS = torch.cuda.is_available() and ops.HAS_CUDA_KERNELS
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not HAVE_KERNELS, reason="needs a CUDA GPU and the built vllm_kbit._C")]
 
 DEV = "cuda"
-TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 ALL_M = [1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 33, 64, 256, 1024]
-PATH_AUTO, PATH_GEMV, PATH_MMA, PATH_DEQUANT, PATH_WGMMA = 0, 1, 2, 3, 4
+PATH_AUTO, PATH_GEMV, PATH_MMA, PATH_DEQUANT, PATH_WGMMA = ops.Path.AUTO, ops.Path.GEMV, ops.Path.MMA, ops.Path.DEQUANT, ops.Path.WGMMA
 
 
 def _poison_allocator():
@@ -62,8 +62,9 @@ def _case(n, k, bits, seed=0):
     return qweight, absmax, packed, ap, w64, cb
 
 
-def _rel_err(y, ref):
-    return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+def _close(y, ref, dtype, where=""):
+    """kernel_check's comparison of y with a Reference saved by a script (a plain tuple)."""
+    kc.assert_close(y, kc.Reference(*ref), dtype, str(where))
 
 
 def _check_gemm(n, k, bits, dtype, m, path=PATH_AUTO, bias=False, splits=0, seed=0):
@@ -77,11 +78,8 @@ def _check_gemm(n, k, bits, dtype, m, path=PATH_AUTO, bias=False, splits=0, seed
         y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, b, path, splits)
     assert y.shape == (m, n) and y.dtype == dtype
     assert torch.isfinite(y).all(), f"non-finite output (unwritten?) n={n} k={k} bits={bits} m={m} path={path}"
-    ref = x.double() @ w64.t()
-    if b is not None:
-        ref = ref + b.double()
-    err = _rel_err(y, ref)
-    assert err < TOL[dtype], f"rel err {err:.3e} n={n} k={k} bits={bits} {dtype} m={m} path={path} splits={splits}"
+    kc.assert_close(y, kc.matmul(x, w64, b), dtype,
+                    f"n={n} k={k} bits={bits} {dtype} m={m} path={path} splits={splits}")
     return x, y
 
 
@@ -127,7 +125,7 @@ def test_quantize_bit_exact(bits, dtype):
     assert torch.equal(a, a_ref)
     assert torch.equal(q, q_ref)
     # through the public wrapper (checks + underflow count) as well
-    q2, a2, _ = ops.quantize(w, bits)
+    q2, a2, _ = ops.quantize(w, bits, cb)
     assert torch.equal(q2, q_ref) and torch.equal(a2, a_ref)
 
 
@@ -191,8 +189,13 @@ import sys
 import torch
 OV = sys.argv[2] if len(sys.argv) > 2 else ""
 from vllm_kbit import format as kf
-from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+from vllm_kbit import ops  # (registers torch.ops.kbit)
 from gemm_cases import capture_graph, replay_poisoned  # tests/ is on PYTHONPATH (_run_script)
+import kernel_check as kc
+
+
+def expected(x, w64, bias=None):  # kc.matmul as a plain tuple of CPU tensors (torch.load reads it)
+    return tuple(t.cpu() for t in kc.matmul(x, w64, bias))
 
 
 def weight(n, k, bits, g):  # a random tiled weight (_random_weight without the special blocks)
@@ -224,8 +227,8 @@ for n, k in ((1000, 2080), (12800, 2080), (520, 14336)):
         packed, ap, cb, w64 = weight(n, k, bits, g)
         for m in (1, 13, 16):
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-            y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, 0, OV)
-            out.append((y.cpu(), (x.double() @ w64.t()).cpu()))
+            y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, ops.Path.GEMV, 0, OV)
+            out.append((y.cpu(), expected(x, w64)))
 torch.save(out, sys.argv[1])
 """
 
@@ -257,7 +260,7 @@ def test_gemv_variants(tmp_path):
         for name, _ in GEMV_VARIANTS:
             y = outs[name][i][0]
             assert torch.isfinite(y).all(), (name, i)
-            assert _rel_err(y, ref) < TOL[torch.bfloat16], (name, i, _rel_err(y, ref))
+            _close(y, ref, torch.bfloat16, (name, i))
 
 
 _GEMV_XR_SPLITS = _SCRIPT_PRELUDE + r"""
@@ -274,8 +277,8 @@ for n, k in ((1000, 2080), (12800, 2080)):
                 dtype = torch.float16 if (m + splits) % 2 else torch.bfloat16
                 x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
                 torch.full((m, n), float("nan"), device="cuda", dtype=dtype)  # freed: the block y reuses
-                y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, 1, splits, OV)
-                out.append((y.cpu(), (x.double() @ w64.t()).cpu(), str(dtype)))
+                y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, None, ops.Path.GEMV, splits, OV)
+                out.append((y.cpu(), expected(x, w64), str(dtype)))
 torch.save(out, sys.argv[1])
 """
 
@@ -287,9 +290,8 @@ def test_gemv_resident_splits(tmp_path, slabs):
     outs = _run_script(_GEMV_XR_SPLITS, tmp_path / "out.pt", overrides={"gemv.slabs": slabs})
     assert len(outs) == 2 * 3 * 4 * 3
     for i, (y, ref, dtype) in enumerate(outs):
-        tol = TOL[torch.float16 if dtype == str(torch.float16) else torch.bfloat16]
         assert torch.isfinite(y).all(), (slabs, i)
-        assert _rel_err(y, ref) < tol, (slabs, i, _rel_err(y, ref))
+        _close(y, ref, torch.float16 if dtype == str(torch.float16) else torch.bfloat16, (slabs, i))
 
 
 # clusters of 1..8 one-per-SM CTAs the H200 runs at once: tests/cpp/gemv_plan_test.cu replays
@@ -304,30 +306,34 @@ def test_gemv_plan_on_device():
     15-slab CTAs of 15 warps, clusters of four; a 2048-column layer (32 slabs) at S = 3, not 4
     (32 clusters of four would run in two waves); Phi-3-mini's qkv in 4-warp CTAs at S = 3."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = list(torch.ops.kbit.gemv_plan(16, 28672, 4096, 4))
-    assert len(plan) == 11
-    cl = plan[3:]
+    def plan(m, n, k, bits):
+        p = ops.gemv_plan(m, n, k, bits)
+        return [p.splits, p.warps, p.slabs]
+
+    p = ops.gemv_plan(16, 28672, 4096, 4)
+    cl = list(p.clusters)
+    assert len(cl) == 8 and (p.bits, p.mt, p.chunk) == (4, 2, -(-64 // p.splits)), p
     if torch.cuda.get_device_capability()[0] < 9:
-        assert cl == [0] * 8 and plan[0] == 1
+        assert cl == [0] * 8 and p.splits == 1
         return
     assert cl[0] == sms, cl
     assert all(cl[s - 1] <= sms // s for s in range(1, 9)), cl
     assert all(a >= b for a, b in zip(cl, cl[1:])), cl
     if "H200" in torch.cuda.get_device_name() and sms == 132:
         assert cl == H200_CLUSTERS
-        assert plan[:3] == [4, 15, 15]
-        assert list(torch.ops.kbit.gemv_plan(16, 2048, 8192, 4))[:3] == [3, 16, 0]
-        assert list(torch.ops.kbit.gemv_plan(1, 28672, 4096, 3))[:3] == [4, 15, 15]  # K=3: resident at every M
-        assert list(torch.ops.kbit.gemv_plan(1, 28672, 4096, 4))[:3] == [4, 15, 15]  # K=4 too
-        assert list(torch.ops.kbit.gemv_plan(1, 4096, 4096, 4))[:3] == [2, 16, 0]
-        assert list(torch.ops.kbit.gemv_plan(16, 9216, 3072, 4))[:3] == [3, 4, 0]  # kNarrowMinUnits
+        assert plan(16, 28672, 4096, 4) == [4, 15, 15]
+        assert plan(16, 2048, 8192, 4) == [3, 16, 0]
+        assert plan(1, 28672, 4096, 3) == [4, 15, 15]  # K=3: resident at every M
+        assert plan(1, 28672, 4096, 4) == [4, 15, 15]  # K=4 too
+        assert plan(1, 4096, 4096, 4) == [2, 16, 0]
+        assert plan(16, 9216, 3072, 4) == [3, 4, 0]  # gemv_narrow_min_units
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gemv_short_k_narrow_plan(dtype, bits):
     """Phi-3-mini's qkv (9216x3072: 144 slabs of 48 units) through the op's own dispatch: on an
-    H200 four 4-warp CTAs per SM at S = 3, four units a warp (csrc/dispatch/gemv_plan.h, kNarrowMinUnits)."""
+    H200 four 4-warp CTAs per SM at S = 3, four units a warp (csrc/dispatch/gemv_plan.h, gemv_narrow_min_units)."""
     for m in (1, 5, 8, 9, 16):
         _check_gemm(9216, 3072, bits, dtype, m, bias=bool(m % 2))
 
@@ -366,7 +372,7 @@ for n in (200, 1000):  # neither a multiple of 64: the last chunk ends inside a 
             for nbytes in (1 << 20, 64 << 20):  # NaN in the blocks the scratch and y will reuse
                 torch.full((nbytes // 4,), float("nan"), device="cuda")
             y = torch.ops.kbit.gemm_path(x, packed, ap, cb, bits, n, k, b, 3, 0, OV)
-            out.append((y.cpu(), (x.double() @ w64.t() + b.double()).cpu()))
+            out.append((y.cpu(), expected(x, w64, b)))
 torch.save(out, sys.argv[1])
 """
 
@@ -380,7 +386,7 @@ def test_dequant_path_row_chunks(tmp_path):
     for i, (y, ref) in enumerate(outs):
         dtype = torch.float16 if i % 2 == 0 else torch.bfloat16
         assert torch.isfinite(y).all(), i
-        assert _rel_err(y, ref) < TOL[dtype], (i, _rel_err(y, ref))
+        _close(y, ref, dtype, i)
 
 
 _PDL_CHAIN = _SCRIPT_PRELUDE + r"""
@@ -391,14 +397,14 @@ for bits in (2, 4, 5):
     packed, ap, cb, w64 = weight(n, k, bits, g)
     for m in (1, 16, 64, 200):  # GEMV, GEMV with the x ring, wgmma 2-CTA tiles, 128-token tiles
         x_static = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-        gemm = lambda a: torch.ops.kbit.gemm_path(a, packed, ap, cb, bits, n, k, None, 0, 0, OV)  # the op's own path
+        gemm = lambda a: torch.ops.kbit.gemm_path(a, packed, ap, cb, bits, n, k, None, ops.Path.AUTO, 0, OV)  # the op's own path
         chain = lambda: (lambda y1: (y1, gemm(y1)))(gemm(x_static * 2))
         graph, (y1, y2) = capture_graph(chain)
         for _ in range(2):
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
             x_static.copy_(x)
             replay_poisoned(graph, y1, y2)
-            out.append((y1.cpu(), y2.cpu(), (2 * x.double() @ w64.t()).cpu(), (y1.double() @ w64.t()).cpu()))
+            out.append((y1.cpu(), y2.cpu(), expected(2 * x.double(), w64), expected(y1, w64)))
 torch.save(out, sys.argv[1])
 """
 
@@ -419,7 +425,7 @@ def test_pdl_launch_chain(tmp_path):
             assert torch.equal(y1, outs[other][i][0]) and torch.equal(y2, outs[other][i][1]), (i, other)
         for y, ref in ((y1, ref1), (y2, ref2)):
             assert torch.isfinite(y).all(), i
-            assert _rel_err(y, ref) < TOL[torch.bfloat16], (i, _rel_err(y, ref))
+            _close(y, ref, torch.bfloat16, i)
 
 
 _INDUCTOR_PDL = _SCRIPT_PRELUDE + r"""
@@ -445,7 +451,9 @@ for bits in (2, 4):
             r.copy_(r0)
             replay_poisoned(graph, y)
             x = (a.float() * 2.0 + r0.float()).to(torch.bfloat16).double()  # the GEMM's input as Inductor rounds it
-            out.append((y.cpu(), ((x @ w64.t()) * 0.5 + 1.0).cpu(), r.cpu(), (r0.double() * 0.5).cpu()))
+            ref = kc.matmul(x, w64)  # then * 0.5 + 1.0: scales the bound, the 1.0 adds like a bias
+            ref = kc.Reference(ref.value * 0.5 + 1.0, ref.spread * 0.5, ref.xnorm * 0.5, ref.magnitude * 0.5 + 1.0)
+            out.append((y.cpu(), tuple(t.cpu() for t in ref), r.cpu(), (r0.double() * 0.5).cpu()))
 torch.save(out, sys.argv[1])
 """
 
@@ -465,7 +473,7 @@ def test_inductor_pdl_neighbours(tmp_path):
     for i, (y, ref, r, r_ref) in enumerate(outs["pdl"]):
         assert torch.equal(y, outs["no_pdl"][i][0]) and torch.equal(r, outs["no_pdl"][i][2]), i
         assert torch.isfinite(y).all(), i
-        assert _rel_err(y, ref) < TOL[torch.bfloat16], (i, _rel_err(y, ref))
+        _close(y, ref, torch.bfloat16, i)
         assert torch.equal(r.double(), r_ref.to(torch.bfloat16).double()), i
 
 
@@ -498,7 +506,7 @@ def test_auto_dispatch_thresholds(bits):
         # wgmma_max_m where its plan takes 256-token tiles, then dequantize + cuBLAS
         s, w = torch.ops.kbit.wgmma_short_max_m(bits), torch.ops.kbit.wgmma_max_m(bits)
         assert d <= s < w
-        tall = torch.ops.kbit.wgmma_plan(w, narrow, k, bits, torch.float16)[0] == 256
+        tall = ops.wgmma_plan(w, narrow, k, bits, torch.float16).tile_m == 256
         expect += [(g + 1, narrow, PATH_WGMMA), (d, narrow, PATH_WGMMA), (s, narrow, PATH_WGMMA),
                    (w, narrow, PATH_WGMMA if tall else PATH_DEQUANT), (w + 1, narrow, PATH_DEQUANT)]
     else:  # elsewhere the mma.sync kernel up to dequant_min_m
@@ -556,8 +564,9 @@ def test_torch_compile():
         y = compiled(x)
         assert y.shape == (2, m, n)
         torch.testing.assert_close(y, layer(x), rtol=1e-3, atol=1e-3)
-        ref = (x.double().reshape(-1, k) @ w64.t()) * 2.0 + 1.0
-        assert _rel_err(y.reshape(-1, n), ref) < TOL[dtype]
+        ref = kc.matmul(x.reshape(-1, k), w64)  # then * 2 + 1: scales the bound, the 1 adds like a bias
+        ref = kc.Reference(ref.value * 2.0 + 1.0, ref.spread * 2.0, ref.xnorm * 2.0, ref.magnitude * 2.0 + 1.0)
+        kc.assert_close(y.reshape(-1, n), ref, dtype, f"m={m}")
 
 
 # ------------------------------------------------------------------------------ checks

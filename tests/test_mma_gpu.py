@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import gemm_cases
+from vllm_kbit import ops
 from gemm_cases import weight
 
 pytestmark = pytest.mark.gpu
 
-MMA_PATH = 2
+MMA_PATH = ops.Path.MMA
 ALL_M = [17, 31, 32, 33, 48, 64, 127, 128, 255, 256, 512, 1000, 1024, 4096]
 
 
@@ -28,8 +29,9 @@ def run(x, packed, absmax, cb, bits, n, k, bias=None):
 
 
 def plan(m, n, k, bits):
-    cfg, tile_m, tile_n, splits, kps, items, grid, ws = torch.ops.kbit.mma_plan(m, n, k, bits, gemm_cases.overrides())
-    return dict(cfg=cfg, tile_m=tile_m, tile_n=tile_n, splits=splits, kps=kps, items=items, grid=grid, ws=ws)
+    p = ops.mma_plan(m, n, k, bits, gemm_cases.overrides())
+    return dict(cfg=p.config, tile_m=p.tile_m, tile_n=p.tile_n, splits=p.splits, kps=p.k_tiles_per_split,
+                items=p.items, grid=p.grid, ws=p.workspace_bytes, kernel=p.kernel)
 
 
 def check(m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0):

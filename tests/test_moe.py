@@ -28,8 +28,9 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noq
 from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod  # noqa: E402
 
 from vllm_kbit.config import KbitConfig  # noqa: E402
-from vllm_kbit.moe import (KbitExperts, KbitMoEMethod, align_block_size, align_block_size_torch,  # noqa: E402
-                           dense_expert_maps, experts_forward, repack_experts)
+from vllm_kbit.moe import (KbitExperts, KbitMoEMethod, align_block_size, dense_expert_maps,  # noqa: E402
+                           experts_forward, repack_experts)
+from vllm_kbit.moe_cpu import align_block_size_torch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
@@ -102,7 +103,7 @@ def test_moe_gemm_equals_float64_pair_loop(case, bits, dtype):
     assert (sorted_ids == m * top_k).any(), "the layout must contain padding ids"
     packed, absmax = repack_experts(q.to(DEVICE), a.to(DEVICE), bits)
     x = torch.randn(m, k, generator=gen).to(dtype)
-    cb = kf.normal_float_codebook(bits).to(DEVICE)
+    cb = kf.default_codebook(bits).to(DEVICE)
     dev = {t: t.to(DEVICE) for t in (sorted_ids, expert_ids, num_post)}
     for tw in (None, weights):
         y = torch.ops.kbit.moe_gemm(x.to(DEVICE), packed, absmax, cb, bits, n, k, dev[sorted_ids], dev[expert_ids],
@@ -123,7 +124,7 @@ def test_moe_gemm_skips_blocks_past_num_tokens_post_padded():
     cut = torch.tensor([last], dtype=torch.int32)
     packed, absmax = repack_experts(q.to(DEVICE), a.to(DEVICE), 4)
     x = torch.randn(6, 64, generator=gen).to(torch.bfloat16)
-    y = torch.ops.kbit.moe_gemm(x.to(DEVICE), packed, absmax, kf.normal_float_codebook(4).to(DEVICE), 4, 64, 64,
+    y = torch.ops.kbit.moe_gemm(x.to(DEVICE), packed, absmax, kf.default_codebook(4).to(DEVICE), 4, 64, 64,
                      sorted_ids.to(DEVICE), expert_ids.to(DEVICE), cut.to(DEVICE), 4, 1).cpu()
     gone = sorted_ids[last:last + 4]
     gone = gone[gone < 6].long()
@@ -140,11 +141,11 @@ def test_dequantize_experts(bits, dtype):
     gen = torch.Generator().manual_seed(100 + bits)
     q, a, w = random_experts(5, 96, 64, bits, gen)
     packed, absmax = repack_experts(q.to(DEVICE), a.to(DEVICE), bits)
-    cb = kf.normal_float_codebook(bits).to(DEVICE)
+    cb = kf.default_codebook(bits).to(DEVICE)
     out = torch.ops.kbit.dequantize_experts(packed, absmax, cb, bits, 96, 64, dtype)
     assert out.shape == (5, 96, 64) and out.dtype == dtype
     # the codebook value times the scale in float32, rounded to dtype: exactly format.dequantize
-    want = torch.stack([kf.dequantize(q[e], a[e], bits, dtype=dtype) for e in range(5)])
+    want = torch.stack([kf.dequantize(q[e], a[e], bits, cb.cpu(), dtype=dtype) for e in range(5)])
     assert torch.equal(out.cpu(), want)
     assert (out.cpu().double() - w).abs().max() <= w.abs().max() * 2.0 ** -7
     part = torch.ops.kbit.dequantize_experts(packed[1:4], absmax[1:4], cb, bits, 96, 64, dtype)  # a chunk of experts
@@ -155,7 +156,7 @@ def test_op_fake_impls_and_reference_errors():
     gen = torch.Generator().manual_seed(2)
     q, a, _ = random_experts(3, 64, 64, 3, gen)
     packed, absmax = repack_experts(q.to(DEVICE), a.to(DEVICE), 3)
-    cb = kf.normal_float_codebook(3).to(DEVICE)
+    cb = kf.default_codebook(3).to(DEVICE)
     _, ids = routing(5, 3, 2, gen)
     s, e, p = (t.to(DEVICE) for t in align_block_size_torch(ids, 16, 3))
     x = torch.randn(5, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -215,7 +216,7 @@ def make_experts(num, hidden, inter, bits, gen, activation=MoEActivation.SILU, e
     p13, b13 = repack_experts(q13.to(DEVICE), a13.to(DEVICE), bits)
     p2, b2 = repack_experts(q2.to(DEVICE), a2.to(DEVICE), bits)
     global_e = num if expert_map is None else expert_map.numel()
-    ex = KbitExperts(p13, b13, p2, b2, kf.normal_float_codebook(bits).to(DEVICE), bits, hidden, inter, gated,
+    ex = KbitExperts(p13, b13, p2, b2, kf.default_codebook(bits).to(DEVICE), bits, hidden, inter, gated,
                      activation, global_e, None if expert_map is None else expert_map.to(DEVICE))
     if dense_chunk:
         ex.dense_chunk = dense_chunk
@@ -297,7 +298,7 @@ SHARDS = (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))
 
 
 def make_config(bits, ignore=(), **extra):
-    return KbitConfig.from_config({"quant_method": "kbit", "bits": bits, "codebook": kf.normal_float_codebook(bits).tolist(),
+    return KbitConfig.from_config({"quant_method": "kbit", "bits": bits, "codebook": kf.default_codebook(bits).tolist(),
                                    "ignore": list(ignore), **extra})
 
 
@@ -642,3 +643,162 @@ def test_vllm_model_online_quantization_equals_the_converted_checkpoint(moe_mode
         assert not hasattr(ea, "w13_weight")
         for name in ("w13_qweight", "w13_absmax", "w2_qweight", "w2_absmax"):
             assert torch.equal(getattr(ea, name), getattr(eb, name)), name
+
+
+# ----------------------------------------------------------------------------- per-expert codebooks
+
+def fitted_codebooks(num, bits, gen):
+    """{(expert, ckpt name): codebook}: a random ascending codebook per expert, gate and up
+    sharing one (as convert --fit-codebook fits one per fused pair), down its own."""
+    def one():
+        cb = torch.sort(torch.rand(1 << bits, generator=gen) * 2 - 1).values
+        return cb / cb.abs().max()
+    out = {}
+    for e in range(num):
+        shared = one()
+        out[(e, "gate_proj")], out[(e, "up_proj")], out[(e, "down_proj")] = shared, shared.clone(), one()
+    return out
+
+
+def checkpoint_experts_with_codebooks(num, hidden, inter, bits, gen):
+    """checkpoint_experts with one codebook per expert (fitted_codebooks): tensors[(e, name)] =
+    (qweight, absmax, codebook), and the float64 w13 / w2 they decode to."""
+    cbs = fitted_codebooks(num, bits, gen)
+    tensors, w13, w2 = {}, [], []
+    for e in range(num):
+        ws = {}
+        for shard, name in SHARDS:
+            rows, cols = (hidden, inter) if shard == "w2" else (inter, hidden)
+            q, a = kf.quantize(torch.randn(rows, cols, generator=gen) * 0.05, bits, cbs[(e, name)])
+            tensors[(e, name)] = (q, a, cbs[(e, name)])
+            ws[shard] = kf.dequantize(q, a, bits, cbs[(e, name)], dtype=torch.float64)
+        w13.append(torch.cat([ws["w1"], ws["w3"]]))
+        w2.append(ws["w2"])
+    return tensors, torch.stack(w13), torch.stack(w2)
+
+
+def build_moe_with_codebooks(cfg, num, hidden, inter, top_k, tensors, **kw):
+    """build_moe, the codebooks loaded as a model's load_weights loads `...experts.E.PROJ.codebook`."""
+    plain = {key: (q, a) for key, (q, a, _) in tensors.items()}
+    codebooks = {key: cb for key, (_, _, cb) in tensors.items() if cb is not None}
+    with mock.patch.object(KbitMoEMethod, "process_weights_after_loading", lambda self, layer: None):
+        layer = build_moe(cfg, num, hidden, inter, top_k, plain, **kw)
+    names = {n: s for s, n in SHARDS}
+    for (e, name), cb in codebooks.items():
+        param = layer.w2_codebook if names[name] == "w2" else layer.w13_codebook
+        param.weight_loader(param, cb, f"{PREFIX}.{e}.{name}.codebook", shard_id=names[name], expert_id=e,
+                            return_success=True)
+    torch.set_default_device(DEVICE)
+    try:
+        layer.quant_method.process_weights_after_loading(layer)
+    finally:
+        torch.set_default_device("cpu")
+    return layer
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_moe_ops_take_one_codebook_per_expert(bits, dtype):
+    """moe_gemm and dequantize_experts with codebook [E, 2^bits]: expert e decodes with row e
+    (each expert's own codebook, against format.dequantize with it); a wrong shape is named."""
+    gen = torch.Generator().manual_seed(40 + bits)
+    num, n, k, top_k, m = 4, 96, 64, 2, 6
+    cbs = torch.stack([torch.sort(torch.rand(1 << bits, generator=gen) * 2 - 1).values for _ in range(num)])
+    cbs = cbs / cbs.abs().amax(1, keepdim=True)
+    qa = [kf.quantize(torch.randn(n, k, generator=gen) * 0.05, bits, cbs[e]) for e in range(num)]
+    q, a = torch.stack([t[0] for t in qa]), torch.stack([t[1] for t in qa])
+    w = torch.stack([kf.dequantize(q[e], a[e], bits, cbs[e], dtype=torch.float64) for e in range(num)])
+    packed, absmax = repack_experts(q.to(DEVICE), a.to(DEVICE), bits)
+    out = torch.ops.kbit.dequantize_experts(packed, absmax, cbs.to(DEVICE), bits, n, k, dtype)
+    assert torch.equal(out.cpu(), torch.stack([kf.dequantize(q[e], a[e], bits, cbs[e], dtype=dtype)
+                                               for e in range(num)]))
+    weights, ids = routing(m, num, top_k, gen)
+    sorted_ids, expert_ids, num_post = (t.to(DEVICE) for t in align_block_size_torch(ids, 4, num))
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    y = torch.ops.kbit.moe_gemm(x.to(DEVICE), packed, absmax, cbs.to(DEVICE), bits, n, k, sorted_ids, expert_ids,
+                                num_post, 4, top_k, weights.to(DEVICE))
+    assert rel_err(y, _pair_reference(x, w, ids.long(), top_k, weights)) < TOL[dtype]
+    for bad in (cbs[:-1], cbs[:, :-1], cbs.reshape(-1)):
+        with pytest.raises((ValueError, RuntimeError), match="codebook has shape"):
+            torch.ops.kbit.moe_gemm(x.to(DEVICE), packed, absmax, bad.to(DEVICE).contiguous(), bits, n, k, sorted_ids,
+                                    expert_ids, num_post, 4, top_k)
+        with pytest.raises((ValueError, RuntimeError), match="codebook has shape"):
+            torch.ops.kbit.dequantize_experts(packed, absmax, bad.to(DEVICE).contiguous(), bits, n, k, dtype)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_moe_layer_serves_per_expert_codebooks(expert_parallel):
+    """codebook_per_layer: each expert's own codebooks (gate/up one, down another) are loaded
+    and used by both paths (moe_gemm and dequantize + fused_experts); the layer equals the
+    float64 experts decoded with them, and differs from what the config's codebook would give."""
+    from vllm_kbit.moe import experts_forward
+    gen = torch.Generator().manual_seed(41)
+    num, hidden, inter, top_k, bits = 4, 64, 96, 2, 3
+    tensors, w13, w2 = checkpoint_experts_with_codebooks(num, hidden, inter, bits, gen)
+    weights, ids = routing(9, num, top_k, gen)
+    x = torch.randn(9, hidden, generator=gen).to(torch.bfloat16)
+    ref = _experts_reference(x, w13, w2, weights, ids, MoEActivation.SILU)
+    ranks = [build_moe_with_codebooks(make_config(bits, codebook_per_layer=True), num, hidden, inter, top_k, tensors,
+                                      tp=(r, 2 if expert_parallel else 1), expert_parallel=expert_parallel)
+             for r in range(2 if expert_parallel else 1)]
+    for path in ("gemm", "dense"):
+        y = sum(experts_forward(lay.kbit_experts, x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE),
+                                path=path).cpu().double() for lay in ranks)
+        assert rel_err(y, ref) < 3e-2, path
+    # the same tensors decoded with the config's codebook are far off: the check can fail
+    shared = {key: (q, a, None) for key, (q, a, _) in tensors.items()}
+    wrong = build_moe_with_codebooks(make_config(bits), num, hidden, inter, top_k, shared)
+    assert rel_err(run_layer(wrong, x, weights, ids), ref) > 0.1
+
+
+def test_per_expert_codebook_errors_name_the_tensor():
+    gen = torch.Generator().manual_seed(42)
+    tensors, _, _ = checkpoint_experts_with_codebooks(3, 64, 64, 3, gen)
+    cfg = make_config(3, codebook_per_layer=True)
+    bad = dict(tensors)
+    q, a, cb = bad[(1, "up_proj")]
+    bad[(1, "up_proj")] = (q, a, cb.flip(0).neg() * 0.5)  # still a valid codebook, but not gate's
+    with pytest.raises(ValueError, match=rf"{PREFIX}\.1\.w3\.codebook .*differs .*expert 1"):
+        build_moe_with_codebooks(cfg, 3, 64, 64, 2, bad)
+    bad = dict(tensors)
+    bad[(2, "down_proj")] = (*tensors[(2, "down_proj")][:2], None)
+    with pytest.raises(ValueError, match=rf"{PREFIX}\.w2_codebook is missing .*expert 2 w2"):
+        build_moe_with_codebooks(cfg, 3, 64, 64, 2, bad)
+    bad = dict(tensors)
+    bad[(0, "gate_proj")] = (*tensors[(0, "gate_proj")][:2], torch.linspace(1, -1, 8))
+    with pytest.raises(ValueError, match=rf"{PREFIX}\.0\.w1\.codebook .*ascending"):
+        build_moe_with_codebooks(cfg, 3, 64, 64, 2, bad)
+
+
+def test_vllm_model_serves_fitted_expert_codebooks(moe_model):
+    """convert --fit-codebook on an MoE model writes a codebook per expert projection (gate and
+    up one per expert); vLLM's own load_weights puts each into the layer, and every layer's
+    experts compute what the float64 experts decoded with their own codebooks compute."""
+    from vllm_kbit.convert import convert
+    arch, src, kbit = moe_model
+    block, (gate, up, down) = MODEL_ARCHS[arch]
+    fitted = kbit.parent / "kbit3_fit"
+    if not fitted.exists():
+        convert(src, fitted, 3, method="rtn", fit_codebook=True, progress=False)
+    ckpt = checkpoint_tensors(fitted)
+    config_cb = torch.tensor(json.loads((fitted / "config.json").read_text())["quantization_config"]["codebook"])
+    model = load_vllm_model(fitted)
+    gen = torch.Generator().manual_seed(12)
+    for i, layer in enumerate(model.model.layers):
+        experts = getattr(layer, block).experts.routed_experts
+        p = f"model.layers.{i}.{block}.experts"
+        num = experts.w13_qweight.shape[0]
+        for e in range(num):
+            assert torch.equal(ckpt[f"{p}.{e}.{gate}.codebook"], ckpt[f"{p}.{e}.{up}.codebook"])
+        assert not torch.equal(ckpt[f"{p}.0.{down}.codebook"], config_cb)
+
+        def deq(e, proj):
+            q = f"{p}.{e}.{proj}"
+            return kf.dequantize(ckpt[q + ".qweight"], ckpt[q + ".absmax"], 3, ckpt[q + ".codebook"],
+                                 dtype=torch.float64)
+        w13 = torch.stack([torch.cat([deq(e, gate), deq(e, up)]) for e in range(num)])
+        w2 = torch.stack([deq(e, down) for e in range(num)])
+        weights, ids = routing(9, num, experts.top_k, gen)
+        x = torch.randn(9, w13.shape[2], generator=gen).to(torch.bfloat16)
+        assert rel_err(run_layer(experts, x, weights, ids),
+                       _experts_reference(x, w13, w2, weights, ids, MoEActivation.SILU)) < 3e-2

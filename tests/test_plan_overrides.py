@@ -1,11 +1,17 @@
 """The Python side of the plan overrides and plan ops (vllm_kbit/ops.py): the `overrides` string
 kbit::gemm_path and the plan ops take (parsed by csrc/dispatch/overrides.h, whose C++ checks run
-in tests/cpp/gemv_plan_test.cu), and the field names of the plans' lists. CPU only."""
+in tests/cpp/gemv_plan_test.cu), and the plans' fields as vllm_kbit.ops names them against the values the C++ returns (a
+plan built on the CPU, tests/cpp/plan_fields_test.cu). CPU only (the C++ needs nvcc)."""
+import os
 import re
+import shutil
+import subprocess
 
 import pytest
 
 from vllm_kbit import ops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_plan_overrides_string():
@@ -15,28 +21,53 @@ def test_plan_overrides_string():
     assert ops.plan_overrides("mma.config=1,mma.splits=3") == "mma.config=1,mma.splits=3"
 
 
-@pytest.mark.parametrize("fields,header_field", [(ops.GEMV_PLAN_FIELDS, "gemv_plan"),
-                                                 (ops.MMA_PLAN_FIELDS, "mma_plan"),
-                                                 (ops.WGMMA_PLAN_FIELDS, "wgmma_plan")])
-def test_plan_fields_match_the_binding(fields, header_field):
-    # csrc/binding.cpp documents each plan op's field order in one comment; the named tuples
-    # must list the same names in the same order
-    import os
-    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "binding.cpp")).read()
-    block = text[text.index("// Plan ops' fields, in order:"):text.index("TORCH_LIBRARY_FRAGMENT(kbit, m)")]
-    entry = re.search(rf"//\s+{header_field}:\s+(.*?)(?=//\s+\w+_plan:|$)", block, re.S).group(1)
-    names = [re.sub(r"\(.*", "", n).strip().split("[")[0] for n in re.sub(r"\n\s*//\s*", " ", entry).split(",")]
-    names = [n.split()[0] for n in names if n.strip()]
-    if header_field == "gemv_plan":  # then clusters[1..8], gathered into one tuple field
-        names = names[:3] + ["clusters"]
-    assert tuple(names) == fields, names
+NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+
+
+def _plans_from_cpp(tmp_path):
+    """[(family, kernel, [(name, value), ...])] of tests/cpp/plan_fields_test.cu: plans built on
+    the CPU, each field as the binding's plan ops return it (csrc/dispatch/plan_fields.h)."""
+    exe = tmp_path / "plan_fields_test"
+    subprocess.run([NVCC, "-std=c++17", "--expt-relaxed-constexpr", "-I", os.path.join(ROOT, "csrc"), "-o", str(exe),
+                    os.path.join(ROOT, "tests", "cpp", "plan_fields_test.cu")], check=True, timeout=300)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60, check=True).stdout
+    plans = []
+    for line in out.splitlines():
+        kind, a, b = line.split()
+        if kind == "plan":
+            plans.append((a, b, []))
+        else:
+            plans[-1][2].append((a, int(b)))
+    return plans
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc")
+def test_plan_fields_match_the_binding(tmp_path):
+    # each plan's values, wrapped as vllm_kbit.ops wraps the ops' lists, must read back under the
+    # names the C++ gives them (GemvPlan gathers clusters1..8), and name the same kernel
+    wrap = {"gemv": ops.gemv_plan_from_list, "mma": lambda v: ops.MmaPlan(*v), "wgmma": lambda v: ops.WgmmaPlan(*v)}
+    plans = _plans_from_cpp(tmp_path)
+    assert {f for f, _, _ in plans} == set(wrap), plans
+    for family, kernel, fields in plans:
+        plan = wrap[family]([v for _, v in fields])
+        for name, value in fields:
+            if family == "gemv" and name.startswith("clusters"):
+                got = plan.clusters[int(name[len("clusters"):]) - 1]
+            else:
+                got = getattr(plan, name)
+            assert got == value, (family, name, got, value, plan)
+        assert plan.kernel == kernel, (plan.kernel, kernel)
+        names = [n for n, _ in fields if not (family == "gemv" and n.startswith("clusters"))]
+        assert tuple(names) + (("clusters",) if family == "gemv" else ()) == plan._fields
+    # the plans differ where their shapes do: the comparison sees real values, not one constant
+    for family in wrap:
+        values = [tuple(v for _, v in f) for fam, _, f in plans if fam == family]
+        assert len(set(values)) == len(values) > 1, family
 
 
 def test_overrides_keys_documented():
     # every key the parser accepts is listed in its header comment
-    import os
-    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "dispatch",
-                             "overrides.h")).read()
+    text = open(os.path.join(ROOT, "csrc", "dispatch", "overrides.h")).read()
     parsed = set(re.findall(r'key == "([\w.]+)"', text))
     documented = set(re.findall(r"^//\s{3}([\w.]+)\s", text, re.M))
     assert parsed and parsed == documented, (parsed ^ documented)

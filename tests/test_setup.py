@@ -1,6 +1,8 @@
 """setup.py's decision whether to build the CUDA extension (extension_plan), on fake toolkits."""
 import importlib.util
 import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -78,8 +80,43 @@ def test_isolated_build_without_torch(tmp_path):
     build, why = plan(None, None, None, {})
     assert not build and "torch is not importable" in why
     # a toolkit but no torch in the build environment: pip's build isolation hid the torch
+    isolated = {"PYTHONPATH": "/tmp/pip-build-env-abc123/site"}
     with pytest.raises(SystemExit, match="--no-build-isolation"):
-        plan(None, None, None, {}, nvcc_on_path="/usr/local/cuda/bin/nvcc")
+        plan(None, None, None, isolated, nvcc_on_path="/usr/local/cuda/bin/nvcc")
+
+
+def test_environment_without_torch_says_install_torch_first():
+    # `pip install --no-build-isolation .` in a fresh venv: the fix is torch, not that command again
+    with pytest.raises(SystemExit) as e:
+        plan(None, None, "/usr/local/cuda", {}, nvcc_on_path="/usr/local/cuda/bin/nvcc")
+    msg = str(e.value)
+    assert "torch is not installed in this environment" in msg and "Install torch first" in msg
+    assert "--no-build-isolation" not in msg and "VLLM_KBIT_NO_CUDA=1" in msg
+
+
+@pytest.mark.parametrize("isolated", [False, True])
+def test_setup_py_without_torch_gives_the_fix_for_how_it_was_run(tmp_path, isolated):
+    """setup.py itself, as pip runs it, with torch unimportable and a toolkit on PATH."""
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUDA_HOME", "CUDA_PATH")}
+    env["PATH"] = f"{nvcc.parent}{os.pathsep}{env['PATH']}"
+    if isolated:
+        env["PYTHONPATH"] = str(tmp_path / "pip-build-env-x" / "site")
+    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--version']; "
+            f"runpy.run_path({str(ROOT / 'setup.py')!r}, run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert p.returncode != 0
+    assert ("--no-build-isolation" in p.stderr) == isolated, p.stderr
+    assert ("Install torch first" in p.stderr) == (not isolated), p.stderr
+
+
+@pytest.mark.parametrize("version, requirement", [(None, "torch"), ("2.11.0+cu130", "torch==2.11.*"),
+                                                  ("2.13.0", "torch==2.13.*")])
+def test_a_build_with_the_extension_requires_its_torch(version, requirement):
+    assert SETUP.torch_requirement(version) == requirement
 
 
 def test_build_requires_no_torch():
@@ -90,7 +127,8 @@ def test_build_requires_no_torch():
 
 def test_build_info_is_written_for_the_check(tmp_path, monkeypatch):
     monkeypatch.setattr(SETUP, "BUILD_INFO", str(tmp_path / "_build_info.py"))
-    SETUP.write_build_info(True, "why", "8.0;9.0a")
+    SETUP.write_build_info(True, "why", "8.0;9.0a", "2.11.0+cu130")
     info = {}
     exec((tmp_path / "_build_info.py").read_text(), info)
     assert info["EXTENSION"] is True and info["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0a" and info["REASON"] == "why"
+    assert info["TORCH"] == "2.11.0+cu130"

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.usefixtures("vllm_single_process")
 def make_config(bits, ignore=("lm_head",), codebook=None, **extra):
     cfg = KbitConfig.from_config({
         "quant_method": "kbit", "bits": bits, "block_size": 32, "absmax_format": "e4m4",
-        "codebook": (kf.normal_float_codebook(bits) if codebook is None else codebook).tolist(),
+        "codebook": (kf.default_codebook(bits) if codebook is None else codebook).tolist(),
         "ignore": list(ignore), **extra})
     cfg.packed_modules_mapping = PACKED
     return cfg
@@ -293,13 +293,13 @@ def test_tensor_parallel_split_must_keep_whole_blocks():
 def test_op_bias_fake_and_compile(bits):
     gen = torch.Generator().manual_seed(bits)
     q, a = checkpoint(96, 64, bits, gen)
-    cb = kf.normal_float_codebook(bits)
+    cb = kf.default_codebook(bits)
     packed, absmax = ops.repack(q.to(DEVICE), a.to(DEVICE), bits)
     x = torch.randn(3, 7, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
     bias = torch.randn(96, generator=gen).to(torch.bfloat16).to(DEVICE)
     args = (packed, absmax, cb.to(DEVICE), bits, 96, 64, bias)
     y = ops.gemm(x, *args)
-    ref = x.double().cpu() @ kf.dequantize(q, a, bits, dtype=torch.float64).t() + bias.double().cpu()
+    ref = x.double().cpu() @ kf.dequantize(q, a, bits, cb, dtype=torch.float64).t() + bias.double().cpu()
     assert y.shape == (3, 7, 96) and rel_err(y.cpu(), ref) < 1e-2
     torch.library.opcheck(torch.ops.kbit.gemm.default, (x.reshape(-1, 64), *args),
                           test_utils=("test_schema", "test_faketensor"))
@@ -339,11 +339,19 @@ def test_online_quantization_of_a_float_checkpoint(kind):
 
 
 def test_default_codebooks():
-    """Quantizing at load time uses the converter's default codebook (nf0); a checkpoint config
-    without a codebook predates it and means NF; a stored codebook is read as stored."""
+    """Every entry point that quantizes defaults to nf0 (format.quantize, ops.quantize, the
+    converter, quantizing at load time); a checkpoint config without a codebook predates it and
+    means NF; a stored codebook is read as stored."""
     from vllm_kbit.quant import default_codebook
+    assert kf.DEFAULT_CODEBOOK == "nf0"
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)) * 0.05
     for bits in (2, 3, 4, 5):
-        assert torch.equal(KbitConfig(bits).codebook, default_codebook(bits))
+        nf0 = kf.nf0_codebook(bits)
+        assert torch.equal(default_codebook(bits), nf0) and torch.equal(kf.default_codebook(bits), nf0)
+        assert torch.equal(KbitConfig(bits).codebook, nf0)
+        want = kf.quantize(w, bits, nf0)
+        for q, a in (kf.quantize(w, bits), ops.quantize(w.to(DEVICE), bits)[:2]):
+            assert torch.equal(q.cpu(), want[0]) and torch.equal(a.cpu(), want[1]), bits
         assert torch.equal(KbitConfig.from_config({"bits": bits}).codebook, kf.normal_float_codebook(bits))
         stored = torch.linspace(-1, 1, 1 << bits)
         assert torch.equal(KbitConfig.from_config({"bits": bits, "codebook": stored.tolist()}).codebook, stored)

@@ -1,4 +1,4 @@
-"""wgmma kbit GEMM (csrc/wgmma/wgmma_kernel.cuh, Hopper sm_90a) on the GPU, through
+"""wgmma kbit GEMM (csrc/wgmma/, Hopper sm_90a) on the GPU, through
 torch.ops.kbit.gemm_path(path=4).
 
 The checks (tests/gemm_cases.py): repack + kernel against a float64 matmul of the dequantized
@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import gemm_cases
+from vllm_kbit import ops
 from gemm_cases import OVERRIDES, weight
 
 pytestmark = pytest.mark.gpu
 
-DEQUANT_PATH, WGMMA_PATH = 3, 4
+DEQUANT_PATH, WGMMA_PATH = ops.Path.DEQUANT, ops.Path.WGMMA
 ALL_M = [17, 31, 32, 33, 48, 64, 127, 128, 255, 256, 512, 1000, 1024, 4096]
 
 
@@ -25,10 +26,10 @@ if not gemm_cases.have("has_wgmma"):
 
 
 def plan(m, n, k, bits, dtype=torch.float16, splits=0):
-    tile_m, s, gx, gy, gz, cols, per_sm, rows, cps, groups = torch.ops.kbit.wgmma_plan(
-        m, n, k, bits, dtype, splits, gemm_cases.overrides())
-    return dict(tile_m=tile_m, splits=s, grid=(gx, gy, gz), cols=cols, per_sm=per_sm, row_split=rows, built_per_sm=cps,
-                groups=groups)
+    p = ops.wgmma_plan(m, n, k, bits, dtype, splits, gemm_cases.overrides())
+    return dict(tile_m=p.tile_m, splits=p.splits, grid=(p.grid_x, p.token_tiles, p.column_groups), cols=p.columns,
+                per_sm=p.launch_per_sm, row_split=p.row_split, built_per_sm=p.built_per_sm, groups=p.groups,
+                kernel=p.kernel)
 
 
 def check(m, n, k, bits, dtype, bias=False, tiny=False, x_scale=1.0, splits=0):
@@ -255,7 +256,7 @@ def test_cluster_groups_plan(zeroed, monkeypatch):
 def test_row_split_plan(monkeypatch):
     # one warpgroup at 16 tokens; two at 64 and 128 (forced at M = 200, where the plan takes the
     # 256-token tile, whose two warpgroups are fixed); at 32 where a CTA runs <= 48 K-tiles
-    # (kShortChunk)
+    # (wgmma_short_chunk)
     assert plan(16, 57344, 8192, 4)["row_split"] == 1 and plan(9, 1000, 4128, 4)["row_split"] == 1
     assert plan(64, 57344, 8192, 4)["row_split"] == 2
     with monkeypatch.context() as mp:
@@ -282,7 +283,7 @@ def test_plans_use_split_k_and_not():
 
 
 def test_split_cost_at_tile_128(monkeypatch):
-    # At MT = 128 a split CTA pays its 128 KB reduction (kSplitCost128): 4096x14336 at M = 512
+    # At MT = 128 a split CTA pays its 128 KB reduction (wgmma_split_cost128): 4096x14336 at M = 512
     # (64 tiles) still splits, while on the H200's 132 SMs 28672x4096 at M = 576 (560 tiles) and
     # 4096x14336 at M = 704 (96 tiles) run unsplit, which a cost of 0 (the plan before) did not.
     # (128-token tiles forced: the plan takes 256-token ones at some of these, test_tall_pick.)

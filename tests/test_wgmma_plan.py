@@ -14,6 +14,8 @@ import subprocess
 
 import pytest
 
+import heuristics_tables
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")  # the sweeps' timings (tests/data/README.md)
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
@@ -22,7 +24,7 @@ NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/u
 SWEEPS = ["wgmma_splits_8b_m256_1000.json", "wgmma_splits_8b_m320_960.json", "wgmma_splits_70b.json",
           "wgmma_splits_m32_64.json", "wgmma_splits_m32_64_one_per_sm.json"]
 # the sweep whose "auto" runs without knobs (the device's own pick) ran the current plan on calls
-# short enough to time stably: the 8B sweeps' "auto" is a plan without kSplitCost128, the first
+# short enough to time stably: the 8B sweeps' "auto" is a plan without wgmma_split_cost128, the first
 # m32_64 sweep's a plan without one_per_sm, and on the 70B sweep's compute-bound calls (57344x8192,
 # M >= 576) "auto", timed first, ran 7-10% faster than the same split forced right after it, the
 # clock dropping under sustained load (bench_gemm.py's note)
@@ -83,7 +85,7 @@ def test_split_pick_is_near_the_fastest_measured(replay):
 
 
 def test_split_cost_zero_is_the_old_plan(replay):
-    # the plan before kSplitCost128 took a split on 28672x4096 at M = 448..768 that ran 9-14% slower
+    # the plan before wgmma_split_cost128 took a split on 28672x4096 at M = 448..768 that ran 9-14% slower
     cases = sweep_times()
     picks = replay(cases, cost=0)
     t = cases[(28672, 4096, 704)]
@@ -166,13 +168,14 @@ ONE_TILE_PROBE = "wgmma_tall_one_tile.json"
 
 def test_tall_one_tile_replay(replay):
     # one 256-token tile at M = 160..256 (both tiles forced, eight shapes, K=4; the probe that set
-    # kTallMinM = 192): the pick must run within 4% of the faster of the two, except 10240x8192 at
+    # wgmma_tall_min_m = 192): the pick must run within 4% of the faster of the two, except 10240x8192 at
     # M = 160, below the limit, whose tall tile ran 9% faster (the two widest layers lost 9-14%
     # there with theirs)
     cases = tall_times(ONE_TILE_PROBE, lambda r: {"gemm_t128": "128", "gemm_t256": "256"}.get(r["config"]))
     assert len(cases) == 32
     picks = replay(cases, tall=True, overrides=UNSPLIT)
-    assert sum(picks.values()) >= 6 and not any(picks[c] for c in cases if c[2] < 192)
+    min_m = heuristics_tables.table("h200")["wgmma_tall_min_m"]  # the replay's table
+    assert sum(picks.values()) >= 6 and not any(picks[c] for c in cases if c[2] < min_m)
     slow = slow_tall_picks(cases, picks)
     assert set(slow) == {(10240, 8192, 160)}, slow
 
@@ -181,7 +184,7 @@ TALL_SPLIT_SWEEP = "wgmma_tall_splits.json"
 
 
 def test_tall_split_replay(replay):
-    # choose_tall with split tall CTAs (clusters of up to kTallMaxSplits along K) replayed on a
+    # choose_tall with split tall CTAs (clusters of up to wgmma_tall_max_splits along K) replayed on a
     # sweep of 256-token tiles forced with s = 1, 2, 3, 4, 6, 8 beside the plan before them (eight
     # shapes, M = 192..1000, K=4, two rounds): the pick must run within 4% of the fastest measured
     # configuration, except 4096x4096 at M = 384 (a second tile of 128 rows, 5% slower). Where the

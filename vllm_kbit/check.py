@@ -6,7 +6,7 @@ expert kernel, run once against a float64 reference), what FP8 activations run o
 whether vLLM loads the plugin and sees the `kbit` method. With MODEL_DIR (a kbit checkpoint),
 also its bits and activations setting.
 Exit status 1 where a GPU is present but the kbit kernels are not usable on it, or where vLLM
-is installed but does not see `kbit`; 0 otherwise (a machine without a GPU runs the reference).
+is missing or does not see `kbit`; 0 otherwise (a machine without a GPU runs the reference).
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import sys
 
 import torch
 
-# kbit::gemm_path's path ids (csrc/binding.cpp) and an M each path serves
-_PATHS = (("GEMV", 1, 1, None), ("mma.sync", 2, 16, "has_mma"), ("wgmma", 4, 64, "has_wgmma"),
-          ("dequantize + cuBLAS", 3, 128, None))
+# kbit::gemm_path's paths (ops.Path) and an M each path serves
+_PATHS = (("GEMV", "GEMV", 1, None), ("mma.sync", "MMA", 16, "has_mma"), ("wgmma", "WGMMA", 64, "has_wgmma"),
+          ("dequantize + cuBLAS", "DEQUANT", 128, None))
 _TOL = 2e-2  # relative error of a bf16 product (tests/test_kernels_gpu.py's bound is tighter)
 
 
@@ -25,7 +25,7 @@ def gpu_problem() -> str | None:
     """Why kbit models cannot be served on this machine's GPU, or None. For scripts that need
     one: it says what is missing before vLLM fails with a less direct error."""
     if not torch.cuda.is_available():
-        return "no CUDA GPU is visible (torch.cuda.is_available() is False); vLLM serves kbit models on NVIDIA GPUs"
+        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
     major, minor = torch.cuda.get_device_capability()
     if major < 8:
         return f"{torch.cuda.get_device_name()} is sm_{major}{minor}; the kbit kernels need sm_80 or newer"
@@ -41,7 +41,7 @@ def build_info() -> dict | None:
         from vllm_kbit import _build_info
     except ImportError:
         return None
-    return {k: getattr(_build_info, k, None) for k in ("EXTENSION", "REASON", "TORCH_CUDA_ARCH_LIST")}
+    return {k: getattr(_build_info, k, None) for k in ("EXTENSION", "REASON", "TORCH_CUDA_ARCH_LIST", "TORCH")}
 
 
 def arch_covered(arch_list: str, major: int, minor: int) -> bool:
@@ -63,23 +63,25 @@ def arch_covered(arch_list: str, major: int, minor: int) -> bool:
 
 
 def _self_test(name: str, path: int, m: int) -> str:
-    """Run one kernel path on a random bf16 problem; its relative error against float64."""
+    """Run one kernel path on a random bf16 problem; the kernel that ran (its key) and its
+    relative error against float64."""
     from vllm_kbit import format as kf
     from vllm_kbit import ops
 
     n, k, bits = 256, 512, 4
     w = torch.randn(n, k, device="cuda") * 0.02
-    q, a, _ = ops.quantize(w.to(torch.bfloat16), bits)
+    cb = kf.default_codebook(bits, "cuda")
+    q, a, _ = ops.quantize(w.to(torch.bfloat16), bits, cb)
     packed, absmax = ops.repack(q, a, bits)
-    cb = kf.normal_float_codebook(bits).cuda()
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, path)
+    y = torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, None, int(path))
     torch.cuda.synchronize()
+    kernel = ops.gemm_kernel(m, n, k, bits, torch.bfloat16, path)
     ref = x.double() @ kf.dequantize(q, a, bits, cb, dtype=torch.float64).t()
     err = ((y.double() - ref).norm() / ref.norm()).item()
     if not err < _TOL:  # (NaN too)
         raise RuntimeError(f"relative error {err:.2e} against float64 (want < {_TOL})")
-    return f"{name} (M = {m}): ok, relative error {err:.1e}"
+    return f"{name} (M = {m}, {kernel}): ok, relative error {err:.1e}"
 
 
 def _moe_self_test() -> str:
@@ -89,12 +91,12 @@ def _moe_self_test() -> str:
     from vllm_kbit import ops
 
     experts, n, k, bits, m, top_k = 4, 128, 256, 4, 2, 2
-    q, a = zip(*[ops.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), bits)[:2]
+    cb = kf.default_codebook(bits, "cuda")
+    q, a = zip(*[ops.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), bits, cb)[:2]
                  for _ in range(experts)])
     tiles = [ops.repack(q[e], a[e], bits) for e in range(experts)]
     packed = torch.stack([p.reshape(-1) for p, _ in tiles])
     absmax = torch.stack([t.reshape(-1) for _, t in tiles])
-    cb = kf.normal_float_codebook(bits).cuda()
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     ids = [0, 2, 3, 2]  # pair p = token p // top_k, expert ids[p]
     on = dict(dtype=torch.int32, device="cuda")
@@ -106,7 +108,8 @@ def _moe_self_test() -> str:
     err = ((y.double() - ref).norm() / ref.norm()).item()
     if not err < _TOL:  # (NaN too)
         raise RuntimeError(f"relative error {err:.2e} against float64 (want < {_TOL})")
-    return f"MoE experts (moe_gemm, {m} tokens x top-{top_k}): ok, relative error {err:.1e}"
+    kernel = ops.moe_kernel(bits, torch.bfloat16)
+    return f"MoE experts (moe_gemm, {m} tokens x top-{top_k}, {kernel}): ok, relative error {err:.1e}"
 
 
 def _vllm_sees_kbit() -> tuple[bool | None, str]:
@@ -180,7 +183,8 @@ def run(out=sys.stdout, model: str | None = None) -> int:
     if info is None:
         say("build: no vllm_kbit/_build_info.py (installed before setup.py wrote it, or from a copy)")
     elif info["EXTENSION"]:
-        say(f"build: TORCH_CUDA_ARCH_LIST={info['TORCH_CUDA_ARCH_LIST']}")
+        against = f", against torch {info['TORCH']}" if info["TORCH"] else ""
+        say(f"build: TORCH_CUDA_ARCH_LIST={info['TORCH_CUDA_ARCH_LIST']}{against}")
     else:
         say(f"build: without the CUDA extension ({info['REASON']})")
 
@@ -207,8 +211,9 @@ def run(out=sys.stdout, model: str | None = None) -> int:
                 wgmma_note = ": this build has no sm_90a code (TORCH_CUDA_ARCH_LIST without 9.0a)"
             else:
                 wgmma_note = ": not in this build"
-            say("kernel paths on this GPU:")
-            for name, path, m, flag in _PATHS:
+            say(f"kernel paths on this GPU (tuned table: {ops.heuristics_table()}):")
+            for name, path_name, m, flag in _PATHS:
+                path = ops.Path[path_name]
                 if flag is not None and not getattr(torch.ops.kbit, flag)():
                     say(f"  {name}: not available" + (wgmma_note if flag == "has_wgmma" else ": needs sm_80"))
                     continue
@@ -234,6 +239,9 @@ def run(out=sys.stdout, model: str | None = None) -> int:
     say(f"vLLM: {what}")
     if seen is False:
         problems.append(f"vLLM {what}")
+    elif seen is None:
+        problems.append("vLLM is not installed: kbit checkpoints can be converted here but not served "
+                        "(pip install vllm==0.24.0)")
 
     for p in problems:
         say(f"PROBLEM: {p}")

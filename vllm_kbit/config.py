@@ -5,6 +5,7 @@ point, does it in every vLLM process). Importing it must not initialise CUDA.
 """
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -18,7 +19,6 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from vllm_kbit import format as kf
 from vllm_kbit.fp8 import check_activations
-from vllm_kbit.quant.codebooks import default_codebook
 
 # MoE routers: always float, whatever the ignore list (as convert leaves them)
 ROUTER_RE = re.compile(kf.ROUTER_PATTERN[len("re:"):])
@@ -45,7 +45,7 @@ class KbitConfig(QuantizationConfig):
     def __init__(self, bits: int = 4, block_size: int = kf.BLOCK_SIZE, codebook=None,
                  ignore: list[str] | None = None, absmax_format: str = "e4m4",
                  from_checkpoint: bool = False, lm_head: bool = False, codebook_per_layer: bool = False,
-                 activations: str = "auto"):
+                 activations: str = "auto", bits_per_layer: dict | None = None, codebooks: dict | None = None):
         super().__init__()
         kf.check_bits(bits)
         if block_size != kf.BLOCK_SIZE:
@@ -59,8 +59,8 @@ class KbitConfig(QuantizationConfig):
                 self.codebook = kf.check_codebook(codebook, bits)
             elif from_checkpoint:  # a checkpoint without its codebook predates nf0: it used NF
                 self.codebook = kf.normal_float_codebook(bits)
-            else:  # quantizing at load time: the converter's default codebook
-                self.codebook = default_codebook(bits)
+            else:  # quantizing at load time: the default of every entry point that quantizes
+                self.codebook = kf.default_codebook(bits)
         except kf.KbitFormatError as e:
             raise ValueError(f"kbit quantization_config: {e}") from None
         self.ignore = list(ignore or [])
@@ -76,6 +76,7 @@ class KbitConfig(QuantizationConfig):
         self.codebook_per_layer = codebook_per_layer
         self.from_checkpoint = from_checkpoint
         self.activations = check_activations(activations)
+        self.bits_per_layer, self.codebooks = _check_mixed(bits_per_layer, codebooks, bits, self.codebook)
 
     def __repr__(self) -> str:
         return (f"KbitConfig(bits={self.bits}, activations={self.activations!r}, lm_head={self.lm_head_quantized}, "
@@ -105,7 +106,9 @@ class KbitConfig(QuantizationConfig):
                    absmax_format=cls.get_from_keys_or(config, ["absmax_format"], "e4m4"),
                    from_checkpoint=True, lm_head=cls.get_from_keys_or(config, ["lm_head"], False),
                    codebook_per_layer=cls.get_from_keys_or(config, ["codebook_per_layer"], False),
-                   activations=cls.get_from_keys_or(config, ["activations"], "auto"))
+                   activations=cls.get_from_keys_or(config, ["activations"], "auto"),
+                   bits_per_layer=cls.get_from_keys_or(config, ["bits_per_layer"], None),
+                   codebooks=cls.get_from_keys_or(config, ["codebooks"], None))
 
     def serving_activations(self) -> str:
         """The activations this model's layers run: `--hf-overrides '{"kbit_activations": ...}'`
@@ -121,6 +124,8 @@ class KbitConfig(QuantizationConfig):
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         if self.ignore:
             self.ignore = hf_to_vllm_mapper.apply_list(self.ignore)
+        if self.bits_per_layer:
+            self.bits_per_layer = hf_to_vllm_mapper.apply_dict(self.bits_per_layer)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, ParallelLMHead):
@@ -136,14 +141,74 @@ class KbitConfig(QuantizationConfig):
             if should_ignore_layer(prefix, ignore=self.ignore):
                 return UnquantizedFusedMoEMethod(layer.moe_config)
             from vllm_kbit.moe import KbitMoEMethod
-            return KbitMoEMethod(self, layer.moe_config, prefix)
+            return KbitMoEMethod(self.for_layer(prefix), layer.moe_config, prefix)
         elif not isinstance(layer, LinearBase):
             return None  # embeddings, attention: unquantized
         elif ROUTER_RE.fullmatch(prefix) or should_ignore_layer(
                 prefix, ignore=self.ignore, fused_mapping=self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         from vllm_kbit.linear import KbitLinearMethod
-        return KbitLinearMethod(self, prefix)
+        return KbitLinearMethod(self.for_layer(prefix), prefix)
+
+    def layer_bits(self, prefix: str) -> int:
+        """K of the vLLM layer `prefix`: its entry in bits_per_layer (a fused layer such as
+        qkv_proj: its checkpoint shards' entries, which must agree), else `bits`."""
+        if not self.bits_per_layer:
+            return self.bits
+        if prefix in self.bits_per_layer:
+            return self.bits_per_layer[prefix]
+        parent, _, leaf = prefix.rpartition(".")
+        shards = (self.packed_modules_mapping or {}).get(leaf, [])
+        ks = {s: self.bits_per_layer.get(f"{parent}.{s}" if parent else s) for s in shards}
+        found = {k for k in ks.values() if k is not None}
+        if len(found) > 1:
+            raise ValueError(f"kbit quantization_config.bits_per_layer: the shards of the fused layer {prefix} "
+                             f"have different K ({', '.join(f'{s}: {k}' for s, k in ks.items())}); vLLM runs "
+                             f"them as one layer with one K")
+        if found and None in ks.values():
+            missing = [s for s, k in ks.items() if k is None]
+            raise ValueError(f"kbit quantization_config.bits_per_layer lists some shards of {prefix} but not "
+                             f"{', '.join(missing)}")
+        return found.pop() if found else self.bits
+
+    def for_layer(self, prefix: str) -> "KbitConfig":
+        """This config as one layer sees it: its own K and that K's codebook (mixed K)."""
+        k = self.layer_bits(prefix)
+        if k == self.bits:
+            return self
+        view = copy.copy(self)
+        view.bits, view.codebook = k, self.codebooks[k]
+        return view
+
+
+def _check_mixed(bits_per_layer, codebooks, bits: int, codebook: torch.Tensor):
+    """bits_per_layer {layer: K} and codebooks {K: levels} of a mixed-K checkpoint, checked;
+    every K listed needs its codebook (the config's `codebook` serves K = bits)."""
+    if bits_per_layer is None:
+        return {}, {bits: codebook}
+    if not isinstance(bits_per_layer, dict):
+        raise ValueError(f"kbit quantization_config: bits_per_layer must map layer names to K, "
+                         f"got {type(bits_per_layer).__name__}")
+    out_cb = {bits: codebook}
+    for k_str, levels in (codebooks or {}).items():
+        try:
+            k = kf.check_bits(int(k_str))
+            out_cb[k] = kf.check_codebook(levels, k)
+        except (ValueError, kf.KbitFormatError) as e:
+            raise ValueError(f"kbit quantization_config.codebooks[{k_str!r}]: {e}") from None
+    checked = {}
+    for name, k in bits_per_layer.items():
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise ValueError(f"kbit quantization_config.bits_per_layer[{name!r}] must be an integer K, got {k!r}")
+        try:
+            kf.check_bits(k)
+        except kf.KbitFormatError as e:
+            raise ValueError(f"kbit quantization_config.bits_per_layer[{name!r}]: {e}") from None
+        if k not in out_cb:
+            raise ValueError(f"kbit quantization_config.bits_per_layer[{name!r}] is {k} but codebooks has "
+                             f"no entry for K={k}")
+        checked[name] = k
+    return checked, out_cb
 
 
 def _is_routed_experts(layer: torch.nn.Module) -> bool:

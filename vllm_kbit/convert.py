@@ -3,7 +3,14 @@
     python -m vllm_kbit.convert SRC DST --bits K [--ignore PATTERN ...] [--overwrite]
         [--quantize-lm-head] [--device cpu|cuda] [--codebook JSON_FILE_OR_LIST] [--max-shard-size 2GB]
         [--method rtn|mse|gptq] [--calib TEXT_FILE] [--calib-samples 128] [--fit-codebook]
-        [--activations auto|fp8]
+        [--activations auto|fp8] [--rotate [--rotate-seed 0]]
+
+--bits with a fraction (2.5: any average in [2, 5]) picks K per layer (quant/mixed.py): the
+layers vLLM fuses share K, the checkpoint lists every quantized layer's K in
+quantization_config.bits_per_layer and each K's codebook in quantization_config.codebooks.
+--rotate folds a random-sign Hadamard rotation into a float copy of SRC first (quant/rotate.py;
+written beside DST and removed afterwards) and quantizes that: an ordinary checkpoint of the
+same architecture whose float logits equal SRC's.
 
 What is quantized: the weight of every `Linear` of the architecture named by SRC/config.json,
 found by building that architecture on the meta device with transformers and matching it with
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import json
 import os
 import re
@@ -59,7 +67,7 @@ from pathlib import Path
 import torch
 
 from vllm_kbit import format as kf
-from vllm_kbit.format import ROUTER_PATTERN, KbitFormatError
+from vllm_kbit.format import FUSED_GROUPS, ROUTER_PATTERN, KbitFormatError
 from vllm_kbit.fp8 import ACTIVATIONS, check_activations
 from vllm_kbit.quant import METHODS, default_codebook
 
@@ -99,15 +107,20 @@ class ConversionReport:
     copied_files: list[str] = field(default_factory=list)       # non-weight files copied from SRC
     not_copied: list[str] = field(default_factory=list)         # SRC entries left out (weights in other formats, folders)
     underflow_blocks: dict[str, int] = field(default_factory=dict)  # name -> non-zero blocks stored as zeros
+    quantized_sizes: dict[str, int] = field(default_factory=dict)   # mixed K: module -> weights
     unmapped_2d: list[str] = field(default_factory=list)        # 2-D tensors of no known Linear, copied as is
     used_heuristic: bool = False
     num_shards: int = 0
     bytes_in: int = 0    # tensor bytes read
     bytes_out: int = 0   # tensor bytes written (the index's total_size)
+    bits_per_layer: dict[str, int] = field(default_factory=dict)  # mixed K: module -> K
+    rotated: bool = False
 
     def summary(self) -> str:
-        lines = [f"kbit K={self.bits}: {len(self.quantized)} linear weights quantized, "
-                 f"{len(self.skipped)} left unquantized, {len(self.copied_files)} files copied",
+        k = (f"mixed (average {_mixed_average(self.bits_per_layer, self.quantized_sizes):.3f}, "
+             f"{_k_counts(self.bits_per_layer)})" if self.bits_per_layer else self.bits)
+        lines = [f"kbit K={k}{' rotated' if self.rotated else ''}: {_count(len(self.quantized), 'linear weight')} quantized, "
+                 f"{len(self.skipped)} left unquantized, {_count(len(self.copied_files), 'file')} copied",
                  f"  tensors: {_fmt_bytes(self.bytes_in)} -> {_fmt_bytes(self.bytes_out)} "
                  f"in {self.num_shards} shard(s)"]
         by_why: dict[str, list[str]] = {}
@@ -148,6 +161,33 @@ def parse_size(size: int | str) -> int:
     return value
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+# Whether convert() runs for the command line: its errors then name options as the CLI spells
+# them (--calib-samples), and as the Python API does (calib_samples=) otherwise.
+_FOR_CLI = contextvars.ContextVar("kbit_convert_for_cli", default=False)
+
+
+@contextlib.contextmanager
+def cli_spelling():
+    """Within it, convert()'s errors name options as the command line spells them (for scripts
+    with options of the same names, as `main` and examples/convert_hf_model.py)."""
+    token = _FOR_CLI.set(True)
+    try:
+        yield
+    finally:
+        _FOR_CLI.reset(token)
+
+
+def _opt(name: str, value: str | None = None) -> str:
+    """An option as the caller spells it: `--overwrite` / `overwrite=True`."""
+    if _FOR_CLI.get():
+        return "--" + name.replace("_", "-") + ("" if value is None else f" {value}")
+    return f"{name}={'True' if value is None else value}"
+
+
 def _fmt_bytes(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
 
@@ -174,6 +214,9 @@ def _read_config(src: Path) -> dict:
         config = json.loads(path.read_text())
     except ValueError as e:
         raise ConversionError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: expected a JSON object (a model configuration), got a "
+                              f"{type(config).__name__}")
     if "quantization_config" in config:
         method = config["quantization_config"].get("quant_method", "?")
         raise ConversionError(f"{src} is already quantized (quantization_config with quant_method "
@@ -395,9 +438,6 @@ def _check_lm_head(src: Path, config: dict, linears: dict, shapes: dict, selecte
 
 # Checkpoint linears that vLLM fuses into one layer (its models' packed_modules_mapping:
 # qkv_proj, gate_up_proj). vLLM needs one scheme per fused layer.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
 def _check_fused_groups(linears: dict, selected: set[str]) -> None:
     for mod_name in linears:
         parent, _, leaf = mod_name.rpartition(".")
@@ -418,26 +458,36 @@ def _check_fused_groups(linears: dict, selected: set[str]) -> None:
 # ----------------------------------------------------------------------------- checks before writing
 
 def _check_ranges(items: list[_Item], device: torch.device, progress: bool) -> None:
-    """Every weight to quantize must be finite with a block absmax within E4M4 (a larger one
-    would be clipped). Each is read once more for its max |w| (streamed, one tensor at a
-    time) so that all offenders are reported together, before anything is written."""
+    """Every floating-point tensor of SRC must be finite: NaN or Inf anywhere means a corrupt
+    source, refused whatever is ignored (a float copy would serve it). Every weight to quantize
+    must also have its block absmax within E4M4 (a larger one would be clipped). Each tensor is
+    read once more (streamed, one at a time) so that all offenders are reported together,
+    before anything is written."""
     from safetensors import safe_open
     from tqdm import tqdm
 
     bad: dict[str, str] = {}
-    todo = [it for it in items if it.quantize]
-    for it in tqdm(todo, unit="tensor", desc="kbit range check", disable=not progress, file=sys.stderr):
+    corrupt: list[str] = []
+    for it in tqdm(items, unit="tensor", desc="kbit range check", disable=not progress, file=sys.stderr):
         with safe_open(str(it.file), framework="pt") as f:
             t = f.get_tensor(it.name)
-        if t.numel() == 0:
+        if t.numel() == 0 or not t.is_floating_point():
             continue
+        if t.element_size() == 1:  # float8: aminmax has no kernel for it
+            t = t.float()
         lo, hi = torch.aminmax(t.to(device))
         top = max(-float(lo), float(hi))
         if top != top or top == float("inf"):
-            bad[it.name] = "NaN/Inf values"
-        elif top > kf.E4M4_MAX:
+            corrupt.append(it.name)
+        elif it.quantize and top > kf.E4M4_MAX:
             bad[it.name] = f"max |w| = {top:.4g}"
         del t
+    if corrupt:
+        shown = ", ".join(corrupt[:8]) + (f" and {len(corrupt) - 8} more" if len(corrupt) > 8 else "")
+        raise KbitFormatError(
+            f"{_count(len(corrupt), 'tensor')} of SRC {'holds' if len(corrupt) == 1 else 'hold'} NaN or Inf "
+            f"values: {shown}. A trained checkpoint "
+            f"has none; the source is corrupt (fetch it again, or re-export it from the training run)")
     if not bad:
         return
     modules = [name[:-len(".weight")] for name in bad]
@@ -453,7 +503,7 @@ def _check_ranges(items: list[_Item], device: torch.device, progress: bool) -> N
     ignore = list(dict.fromkeys(ignore))
     raise KbitFormatError(
         f"{len(bad)} weight(s) cannot be quantized (a block absmax above the E4M4 range, max "
-        f"{kf.E4M4_MAX}, would be clipped; NaN/Inf cannot be stored): "
+        f"{kf.E4M4_MAX}, would be clipped): "
         + "; ".join(f"{name} ({why})" for name, why in bad.items())
         + ". Keep them unquantized: " + " ".join(f"--ignore {m}" for m in ignore) + " (or rescale them)")
 
@@ -621,13 +671,60 @@ def _write_shards(items: list[_Item], out: Path, bits: int, codebook: torch.Tens
     report.num_shards = n
 
 
+# ----------------------------------------------------------------------------- argument checks
+
+def _check_calib_text(path: Path) -> None:
+    """gptq's calibration file must be plain UTF-8 text: checked before any model is loaded."""
+    opt = _opt("calib", str(path))
+    if not path.is_file():
+        raise ConversionError(f"{opt}: no such file" if not path.exists() else f"{opt}: not a file")
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+        bad = data.find(b"\0")
+    except UnicodeDecodeError as e:
+        bad = e.start
+    if bad >= 0:
+        raise ConversionError(f"{opt}: not a plain-text (UTF-8) file (byte 0x{data[bad]:02x} at offset {bad}); "
+                              f"gptq calibrates on text")
+
+
+def _check_tokenizer(src: Path) -> None:
+    """gptq turns calibration text (or the text the model samples) into tokens with SRC's tokenizer."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        transformers.AutoTokenizer.from_pretrained(src)
+    except Exception as e:  # transformers raises many kinds here: all mean "no usable tokenizer"
+        raise ConversionError(
+            f"{_opt('method', 'gptq')} needs SRC's tokenizer (tokenizer.json, or tokenizer.model with "
+            f"tokenizer_config.json, in {src}) and transformers cannot load one "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); copy the model's tokenizer files "
+            f"into {src}, or use {_opt('method', 'mse')}, which needs none") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _refuse_nothing_to_quantize(linears: dict, report: ConversionReport) -> None:
+    """A kbit checkpoint without a kbit weight is a mistake (an ignore pattern that matches
+    everything, an architecture whose linears were not found): say why each stayed float."""
+    reasons = list(dict.fromkeys(report.skipped.values()))
+    why = f": {'; '.join(reasons[:3])}" if reasons else ""
+    found = (f"of the {_count(len(linears), 'linear layer')} found, none is left to quantize{why}" if linears
+             else "no linear layer was found in the checkpoint")
+    raise ConversionError(f"nothing to quantize: {found}; a kbit checkpoint needs at least one kbit weight")
+
+
 # ----------------------------------------------------------------------------- methods
 
 def _make_plan(src: Path, items: list[_Item], bits: int, cb: torch.Tensor, device: torch.device,
-               method: str, fit_codebook: bool, calib: str | None, calib_samples: int, progress: bool):
+               method: str, fit_codebook: bool, calib: str | None, calib_samples: int, progress: bool,
+               bits_of: dict[str, int] | None = None):
     """None for plain rtn (the quantize kernel, tensor by tensor); else a quant.plan.Plan with
     its codebooks fitted and, for gptq, the calibrated quantization done."""
-    if method == "rtn" and not fit_codebook:
+    if method == "rtn" and not fit_codebook and not bits_of:
         return None
     from safetensors import safe_open
 
@@ -640,7 +737,8 @@ def _make_plan(src: Path, items: list[_Item], bits: int, cb: torch.Tensor, devic
         with safe_open(str(where[name]), framework="pt") as f:
             return f.get_tensor(name)
 
-    plan = Plan(method, bits, cb, device, fit=fit_codebook)
+    plan = Plan(method, bits, cb, device, fit=fit_codebook, bits_of=bits_of,
+                codebooks_of={k: default_codebook(k) for k in set((bits_of or {}).values())})
     if fit_codebook:
         plan.fit_codebooks(list(where), read, progress)
     if method == "gptq":
@@ -658,7 +756,7 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
             device: str | torch.device | None = None, max_shard_size: int | str = "2GB",
             progress: bool = True, quantize_lm_head: bool = False, method: str = DEFAULT_METHOD,
             calib: str | None = None, calib_samples: int = 128, fit_codebook: bool = False,
-            activations: str = "auto") -> ConversionReport:
+            activations: str = "auto", rotate: bool = False, rotate_seed: int = 0) -> ConversionReport:
     """Write a kbit checkpoint of the HF safetensors model folder `src` to `dst` (see the module
     docstring). `ignore`: extra compressed-tensors patterns of modules to keep unquantized;
     `quantize_lm_head`: quantize the output projection too (smaller and faster per decode step,
@@ -670,19 +768,33 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     `activations`: the config's `activations` ("auto": the model's dtype; "fp8": e4m3 with
     per-token scales on the tensor-core paths, docs/FP8.md);
     `device`: where to quantize (default cuda when available). Raises ConversionError or
-    KbitFormatError (naming the tensor) on bad input, leaving nothing behind."""
+    KbitFormatError (naming the tensor) on bad input, leaving nothing behind.
+    `bits` with a fraction (2.5): K per layer for that average (module docstring);
+    `rotate`: quantize a Hadamard-rotated copy of src (quant/rotate.py, seeded by rotate_seed)."""
+    if rotate:
+        return _convert_rotated(src, dst, bits, rotate_seed, dict(
+            ignore=ignore, codebook=codebook, overwrite=overwrite, device=device, max_shard_size=max_shard_size,
+            progress=progress, quantize_lm_head=quantize_lm_head, method=method, calib=calib,
+            calib_samples=calib_samples, fit_codebook=fit_codebook, activations=activations))
+    bits, average = _split_bits(bits)
+    if average is not None and codebook is not None:
+        raise ConversionError(f"--codebook holds one K's levels; --bits {average} picks K per layer "
+                              f"(each K uses its default codebook)")
     kf.check_bits(bits)
     cb = default_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
     if method not in METHODS:
-        raise ConversionError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        raise ConversionError(f"{_opt('method', repr(method))}: must be one of {', '.join(METHODS)}")
     try:
         check_activations(activations, "activations")
     except ValueError as e:
         raise ConversionError(str(e).removeprefix("kbit: ")) from None
     if calib_samples < 1:
-        raise ConversionError(f"calib_samples must be at least 1, got {calib_samples}")
-    if calib is not None and method != "gptq":
-        raise ConversionError(f"--calib is only used by --method gptq (got --method {method})")
+        raise ConversionError(f"{_opt('calib_samples', str(calib_samples))}: must be at least 1")
+    if calib is not None and method != "gptq" and average is None:
+        raise ConversionError(f"{_opt('calib', str(calib))} is only used by {_opt('method', 'gptq')} "
+                              f"(got {_opt('method', method)})")
+    if calib is not None:
+        _check_calib_text(Path(calib))
     shard_limit = parse_size(max_shard_size)
     user_ignore = [ignore] if isinstance(ignore, str) else list(ignore)
     for p in user_ignore:
@@ -690,13 +802,13 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
             try:
                 re.compile(p[3:])
             except re.error as e:
-                raise ConversionError(f"bad ignore regex {p!r}: {e}") from None
+                raise ConversionError(f"{_opt('ignore', repr(p))}: bad regex ({e})") from None
     try:
         dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, ValueError) as e:
-        raise ConversionError(f"bad device {device!r}: {e}") from None
+        raise ConversionError(f"{_opt('device', repr(device))}: not a device ({e})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConversionError("device cuda requested but CUDA is not available")
+        raise ConversionError(f"{_opt('device', 'cuda')}: CUDA is not available on this machine")
 
     src, dst = Path(src), Path(dst)
     config = _read_config(src)
@@ -704,7 +816,9 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     if dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents:
         raise ConversionError(f"DST {dst} would replace SRC {src}; choose another DST")
     if (dst.exists() or dst.is_symlink()) and not overwrite:
-        raise ConversionError(f"DST {dst} already exists; use --overwrite (overwrite=True) to replace it")
+        raise ConversionError(f"DST {dst} already exists; use {_opt('overwrite')} to replace it")
+    if method == "gptq":
+        _check_tokenizer(src)
 
     report = ConversionReport(src=str(src), dst=str(dst), bits=bits)
     headers = {f: _header(f) for f in files}
@@ -735,14 +849,25 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     for p in user_ignore:
         if p not in used:
             _note(f"ignore pattern {p!r} matches no linear layer")
+    if not to_quantize:
+        _refuse_nothing_to_quantize(linears, report)
 
+    bits_of = None
+    if average is not None:
+        bits_of = _mixed_bits(src, to_quantize, average, calib, calib_samples, dev, progress)
+        report.bits_per_layer = {n[:-len(".weight")]: k for n, k in sorted(bits_of.items())}
+        report.quantized_sizes = {n[:-len(".weight")]: shapes[n][0] * shapes[n][1] for n in bits_of}
+        bits = _k_nominal(report.bits_per_layer, report.quantized_sizes)
+        report.bits = bits
+        cb = default_codebook(bits)
     items = []
     for f, h in headers.items():
         for name, info in sorted(h.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             start, end = info["data_offsets"]
             if name in to_quantize:
                 n, k = info["shape"]
-                items.append(_Item(f, name, end - start, True, n * (k // kf.BLOCK_SIZE) * (4 * bits + 1)))
+                kb = bits_of.get(name, bits) if bits_of else bits
+                items.append(_Item(f, name, end - start, True, n * (k // kf.BLOCK_SIZE) * (4 * kb + 1)))
             else:
                 items.append(_Item(f, name, end - start, False, end - start))
     report.bytes_in = sum(it.nbytes for it in items)
@@ -754,6 +879,10 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
         config["quantization_config"]["lm_head"] = True
     if fit_codebook:
         config["quantization_config"]["codebook_per_layer"] = True
+    if bits_of:
+        qc = config["quantization_config"]
+        qc["bits_per_layer"] = report.bits_per_layer
+        qc["codebooks"] = {str(k): [float(v) for v in default_codebook(k)] for k in sorted(set(bits_of.values()))}
 
     _check_ranges(items, dev, progress)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -761,7 +890,7 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(dst)}{_owner_tag()}-", dir=dst.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would make DST private
-        plan = _make_plan(src, items, bits, cb, dev, method, fit_codebook, calib, calib_samples, progress)
+        plan = _make_plan(src, items, bits, cb, dev, method, fit_codebook, calib, calib_samples, progress, bits_of)
         _write_shards(items, tmp, bits, cb, dev, shard_limit, progress, report, plan)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _copy_other_files(src, tmp, report)
@@ -773,7 +902,110 @@ def convert(src, dst, bits: int, *, ignore=(), codebook=None, overwrite: bool = 
     return report
 
 
+# ----------------------------------------------------------------------------- mixed K, rotation
+
+def _split_bits(bits) -> tuple[int, float | None]:
+    """(K, None) for a whole number of bits; (floor, average) for a fractional average."""
+    from vllm_kbit.quant.mixed import MixedBitsError, check_average
+
+    if isinstance(bits, int) and not isinstance(bits, bool):
+        return bits, None
+    try:
+        b = check_average(bits)
+    except MixedBitsError as e:
+        raise ConversionError(str(e)) from None
+    return (int(b), None) if b.is_integer() else (int(b), b)
+
+
+def _k_counts(bits_per_layer: dict[str, int]) -> str:
+    counts: dict[int, int] = {}
+    for k in bits_per_layer.values():
+        counts[k] = counts.get(k, 0) + 1
+    return ", ".join(f"{n} layer(s) at K={k}" for k, n in sorted(counts.items()))
+
+
+def _mixed_average(bits_per_layer: dict[str, int], sizes: dict[str, int]) -> float:
+    return sum(k * sizes[m] for m, k in bits_per_layer.items()) / max(1, sum(sizes.values()))
+
+
+def _k_nominal(bits_per_layer: dict[str, int], sizes: dict[str, int]) -> int:
+    """The K holding the most weights: the config's `bits` (layers not listed would use it)."""
+    by_k: dict[int, int] = {}
+    for m, k in bits_per_layer.items():
+        by_k[k] = by_k.get(k, 0) + sizes[m]
+    return max(by_k, key=lambda k: (by_k[k], -k))
+
+
+def _mixed_bits(src: Path, to_quantize: set[str], average: float, calib: str | None, calib_samples: int,
+                device: torch.device, progress: bool) -> dict[str, int]:
+    """{weight name: K} for the average (quant/mixed.py), measured on the calibration text."""
+    import transformers
+
+    from vllm_kbit.quant import mixed
+    from vllm_kbit.quant.calibrate import CalibrationError
+    from vllm_kbit.quant.plan import calibration_batches
+
+    experts = sorted(n for n in to_quantize if _EXPERT_RE.fullmatch(n))
+    if experts:
+        raise ConversionError(f"--bits {average}: K per layer is not supported for MoE experts ({experts[0]}, ...); "
+                              f"use a whole --bits or keep the experts unquantized with --ignore")
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype="auto").eval()
+        batches = calibration_batches(model, src, calib, calib_samples, 512, device, progress)
+        groups = mixed.measure(model, batches, device=device, progress=progress,
+                               select=lambda m: f"{m}.weight" in to_quantize)
+    except CalibrationError as e:
+        raise ConversionError(f"--bits {average}: {e}") from None
+    del model
+    reached = {f"{m}.weight" for g in groups.values() for m in g["members"]}
+    missing = sorted(to_quantize - reached)
+    if missing:
+        raise ConversionError(f"--bits {average}: the calibration run reached no input for {missing[0]} "
+                              f"(and {len(missing) - 1} more); keep it unquantized with --ignore or use a whole --bits")
+    try:
+        ks = mixed.allocate(groups, average)
+    except mixed.MixedBitsError as e:
+        raise ConversionError(f"--bits {average}: {e}") from None
+    return {f"{m}.weight": k for m, k in mixed.per_module(groups, ks).items()}
+
+
+def _convert_rotated(src, dst, bits, seed: int, kwargs: dict) -> ConversionReport:
+    """convert() of a rotated float copy of src, written beside dst and removed afterwards."""
+    from vllm_kbit.quant import rotate
+
+    src, dst = Path(src), Path(dst)
+    config = _read_config(src)
+    try:
+        rotate.check_rotatable(config)
+    except rotate.RotationError as e:
+        raise ConversionError(str(e)) from None
+    if (dst.exists() or dst.is_symlink()) and not kwargs.get("overwrite"):
+        raise ConversionError(f"DST {dst} already exists; use --overwrite (overwrite=True) to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    _clear_stale_temps(dst)
+    # named as convert's own temporary folders, so that a killed run's copy is cleared the same way
+    rotated = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(dst)}{_owner_tag()}-rotated-", dir=dst.parent))
+    try:
+        dev = kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        rotate.rotate_checkpoint(src, rotated, seed=seed, device=dev, progress=kwargs.get("progress", True))
+        report = convert(rotated, dst, bits, **kwargs)
+    except rotate.RotationError as e:
+        raise ConversionError(str(e)) from None
+    finally:
+        shutil.rmtree(rotated, ignore_errors=True)
+    report.src, report.rotated = str(src), True
+    return report
+
+
 # ----------------------------------------------------------------------------- CLI
+
+def _bits_arg(value: str):
+    try:
+        b = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    return int(b) if b.is_integer() else b
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + message, exit status from main()
@@ -811,7 +1043,9 @@ def main(argv=None) -> int:
                      description="Convert a Hugging Face safetensors model folder to a kbit checkpoint.")
     parser.add_argument("src", metavar="SRC", help="HF model folder (config.json + *.safetensors)")
     parser.add_argument("dst", metavar="DST", help="output folder (must not exist unless --overwrite)")
-    parser.add_argument("--bits", type=int, required=True, help="bits per weight: 2, 3, 4 or 5")
+    parser.add_argument("--bits", type=_bits_arg, required=True,
+                        help="bits per weight: 2, 3, 4 or 5, or an average in [2, 5] such as 2.5 "
+                             "(K per layer, chosen on the calibration text: see --calib)")
     parser.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
                         help="module to keep unquantized: exact name or 're:REGEX' (repeatable); "
                              f"ignored by default: {', '.join(DEFAULT_IGNORE)} (for lm_head see --quantize-lm-head)")
@@ -837,14 +1071,20 @@ def main(argv=None) -> int:
                              "per-token scales on the tensor-core paths (Hopper; docs/FP8.md). Written to "
                              "quantization_config.activations; vLLM's --hf-overrides "
                              "'{\"kbit_activations\": ...}' overrides it at serve time (default auto)")
+    parser.add_argument("--rotate", action="store_true",
+                        help="fold a random Hadamard rotation into the weights before quantizing "
+                             "(Llama / Mistral / Qwen2 / Qwen3)")
+    parser.add_argument("--rotate-seed", type=int, default=0, metavar="N", help="seed of --rotate's signs")
     try:
         args = parser.parse_args(argv)
         codebook = _load_codebook(args.codebook) if args.codebook is not None else None
-        report = convert(args.src, args.dst, args.bits, ignore=args.ignore, codebook=codebook,
-                         overwrite=args.overwrite, device=args.device, max_shard_size=args.max_shard_size,
-                         quantize_lm_head=args.quantize_lm_head, method=args.method, calib=args.calib,
-                         calib_samples=args.calib_samples,
-                         fit_codebook=args.fit_codebook, activations=args.activations)
+        with cli_spelling():
+            report = convert(args.src, args.dst, args.bits, ignore=args.ignore, codebook=codebook,
+                             overwrite=args.overwrite, device=args.device, max_shard_size=args.max_shard_size,
+                             quantize_lm_head=args.quantize_lm_head, method=args.method, calib=args.calib,
+                             calib_samples=args.calib_samples,
+                             fit_codebook=args.fit_codebook, activations=args.activations, rotate=args.rotate,
+                             rotate_seed=args.rotate_seed)
     except (*CLI_ERRORS, KeyboardInterrupt) as e:
         return cli_error(e)
     print(report.summary())

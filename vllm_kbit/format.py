@@ -23,6 +23,9 @@ BLOCK_SIZE = 32
 # rounding would move every token's choice of experts; convert and the vLLM config keep them
 # float, whatever the ignore list (compressed-tensors pattern syntax).
 ROUTER_PATTERN = r"re:.*\.(gate|router|shared_expert_gate)$"
+# Checkpoint linears that vLLM runs as one layer (qkv_proj, gate_up_proj; Mixtral's and
+# InternLM2's w1 / w3 experts or MLPs): one kernel call, so one scheme and one codebook each.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 SUPPORTED_BITS = (2, 3, 4, 5)
 
 E4M4_BIAS = 11
@@ -55,9 +58,42 @@ def _normal_float_codebook_cpu(bits: int) -> torch.Tensor:
 
 
 def normal_float_codebook(bits: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """The default codebook: v_i = Phi^-1((i + 0.5) / 2^K), scaled so max |v| = 1 (float32, ascending)."""
+    """The normal-float codebook `nf`: v_i = Phi^-1((i + 0.5) / 2^K), scaled so max |v| = 1
+    (float32, ascending); the codebook of checkpoints that store none."""
     cb = _normal_float_codebook_cpu(check_bits(bits))
     return cb.to(device) if device is not None else cb.clone()
+
+
+@functools.lru_cache(maxsize=None)
+def _nf0_cpu(bits: int) -> torch.Tensor:
+    n = 1 << bits
+    pos, neg = n // 2, n // 2 - 1
+    # bitsandbytes' offset: halfway between the outermost quantiles of 2(n-1) and 2n bins, so
+    # the largest level is finite and both halves end at +-1 after scaling
+    offset = ((1 - 1 / (2 * (n - 1))) + (1 - 1 / (2 * n))) / 2
+    ndtri = torch.special.ndtri
+    p = ndtri(torch.linspace(offset, 0.5, pos + 1, dtype=torch.float64)[:-1])
+    m = -ndtri(torch.linspace(offset, 0.5, neg + 1, dtype=torch.float64)[:-1])
+    v = torch.cat([p, torch.zeros(1, dtype=torch.float64), m]).sort().values
+    return (v / v.abs().max()).to(torch.float32)
+
+
+def nf0_codebook(bits: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Normal-float codebook with an exact zero, built as bitsandbytes' create_normal_map builds
+    NF4: 2^(K-1) - 1 negative quantiles, 0, 2^(K-1) positive ones (float32, ascending)."""
+    cb = _nf0_cpu(check_bits(bits))
+    return cb.to(device) if device is not None else cb.clone()
+
+
+# The codebook every entry point that quantizes uses when none is given (ops.quantize,
+# `--quantization kbit`, convert): nf0, whose zero level keeps small weights at zero (see
+# docs/FORMAT.md). A checkpoint that stores no codebook predates it and decodes with
+# normal_float_codebook (config.KbitConfig).
+DEFAULT_CODEBOOK = "nf0"
+
+
+def default_codebook(bits: int, device: torch.device | str | None = None) -> torch.Tensor:
+    return nf0_codebook(bits, device)
 
 
 def check_codebook(codebook, bits: int) -> torch.Tensor:
@@ -74,6 +110,12 @@ def check_codebook(codebook, bits: int) -> torch.Tensor:
     if cb.abs().max() > 1.0:
         raise KbitFormatError("codebook entries must lie in [-1, 1] (they are scaled by the block absmax)")
     return cb
+
+
+def nearest_index(v: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Index of the codebook entry nearest to each v (the lower entry at a midpoint); int64."""
+    cb = codebook.to(v.device, v.dtype)
+    return torch.bucketize(v, (cb[1:] + cb[:-1]) / 2)
 
 
 # ----------------------------------------------------------------------------- E4M4
@@ -185,7 +227,7 @@ def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = No
     ties (the rule the CUDA quantize kernel follows); checks as check_quantizable."""
     check_bits(bits)
     check_quantizable(weight, name)
-    cb = normal_float_codebook(bits) if codebook is None else check_codebook(codebook, bits)
+    cb = default_codebook(bits) if codebook is None else check_codebook(codebook, bits)
     return quantize_checked(weight, bits, cb)
 
 
@@ -219,7 +261,7 @@ def dequantize(qweight: torch.Tensor, absmax: torch.Tensor, bits: int,
             f"qweight shape {tuple(qweight.shape)} does not match absmax {tuple(absmax.shape)} "
             f"for bits={bits} (expected {(n, nb * bits)})")
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    cb = (normal_float_codebook(bits) if codebook is None else codebook).to(qweight.device, work)
+    cb = (default_codebook(bits) if codebook is None else codebook).to(qweight.device, work)
     idx = unpack_bitplanes(qweight, bits).long().reshape(n, nb, BLOCK_SIZE)
     w = cb[idx] * decode_e4m4(absmax).to(work).unsqueeze(-1)
     return w.reshape(n, nb * BLOCK_SIZE).to(dtype)

@@ -8,7 +8,11 @@ N13 = 2I for gated activations, else I), checkpoint layout as a linear layer's:
 loaded from the per-expert checkpoint tensors `...experts.{e}.{gate,up,down}_proj.{qweight,absmax}`
 (Mixtral: w1 / w3 / w2) through vLLM's own expert loader, which shards w13 by rows and w2 along
 I (whole 32-blocks per rank, checked). After loading, each expert is repacked (repack_experts)
-into the stacked layout of kbit::moe_gemm.
+into the stacked layout of kbit::moe_gemm. With quantization_config.codebook_per_layer
+(convert --fit-codebook), every expert also carries its own codebooks
+  w13_codebook float32 [E, 2^bits] (`gate_proj` / `up_proj`: one shared, as fitted per fused pair)
+  w2_codebook  float32 [E, 2^bits] (`down_proj`)
+from `...experts.{e}.{proj}.codebook`, and the MoE ops decode expert e with row e.
 
 Forward (`experts_forward`), vLLM's fused_moe recipe with kbit GEMMs:
   small batches: moe_align_block_size -> kbit::moe_gemm (w13) -> activation -> kbit::moe_gemm
@@ -17,14 +21,13 @@ Forward (`experts_forward`), vLLM's fused_moe recipe with kbit GEMMs:
                  Triton fused_experts on each chunk (an expert map selects its experts), summed.
 No host synchronisation on the GPU: it runs inside vLLM's opaque moe_forward op, under CUDA
 graphs and torch.compile. On the CPU the same code runs with torch stand-ins for vLLM's CUDA
-pieces (alignment, activation, sum, fused_experts).
+pieces (alignment, activation, sum, fused_experts), kept apart in vllm_kbit/moe_cpu.py.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
@@ -34,6 +37,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from vllm_kbit import format as kf
 from vllm_kbit import ops
 from vllm_kbit.linear import fill_dummy, load_mode
+from vllm_kbit.moe_cpu import ACTIVATIONS, align_block_size, fused_experts_torch, moe_activation, moe_sum
 
 # Rows of sorted (token, expert) pairs per block of kbit::moe_gemm.
 BLOCK_M = 16
@@ -51,19 +55,6 @@ DENSE_MIN_PAIRS_PER_EXPERT = 128
 # Bytes of dequantized experts (w13 + w2) the large-batch path holds at once.
 DENSE_SCRATCH_BYTES = 1 << 30
 
-# Activations whose vLLM kernel (apply_moe_activation) takes no clamp parameters, with the
-# torch equivalent the CPU path runs.
-_ACTIVATIONS = {
-    MoEActivation.SILU: lambda g, u: F.silu(g) * u,
-    MoEActivation.GELU: lambda g, u: F.gelu(g) * u,
-    MoEActivation.GELU_TANH: lambda g, u: F.gelu(g, approximate="tanh") * u,
-    MoEActivation.SILU_NO_MUL: F.silu,
-    MoEActivation.GELU_NO_MUL: F.gelu,
-    MoEActivation.GELU_TANH_NO_MUL: lambda t: F.gelu(t, approximate="tanh"),
-    MoEActivation.RELU2_NO_MUL: lambda t: F.relu(t).square(),
-}
-
-
 @dataclass
 class KbitExperts:
     """One layer's stacked kbit experts and what experts_forward needs to run them."""
@@ -71,7 +62,7 @@ class KbitExperts:
     w13_absmax: torch.Tensor
     w2: torch.Tensor
     w2_absmax: torch.Tensor
-    codebook: torch.Tensor     # float32 [2^bits], on the weights' device
+    codebook: torch.Tensor     # float32 [2^bits] (all experts) or [E, 2^bits] (w13's per expert), on their device
     bits: int
     hidden: int                # H
     inter: int                 # I (per rank)
@@ -81,6 +72,11 @@ class KbitExperts:
     expert_map: torch.Tensor | None = None    # int32 [global] -> local id or -1 (expert parallel)
     dense_maps: list[torch.Tensor] | None = None  # per chunk of dense_chunk experts: global -> chunk id
     dense_chunk: int = 0
+    w2_codebook: torch.Tensor | None = None   # float32 [E, 2^bits]: w2's, per expert; None: `codebook`
+
+    @property
+    def w2_codebooks(self) -> torch.Tensor:
+        return self.codebook if self.w2_codebook is None else self.w2_codebook
 
     @property
     def num_experts(self) -> int:
@@ -109,85 +105,6 @@ def repack_experts(qweight: torch.Tensor, absmax: torch.Tensor, bits: int) -> tu
         packed[e] = p.reshape(packed.shape[1:])
         absmax_packed[e] = a.reshape(absmax_packed.shape[1:])
     return packed, absmax_packed
-
-
-# ----------------------------------------------------------------------------- vLLM pieces, CPU stand-ins
-
-def align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
-                     expert_map: torch.Tensor | None):
-    """(sorted_token_ids, expert_ids, num_tokens_post_padded) as vLLM's moe_align_block_size
-    with ignore_invalid_experts=True (pairs of experts not on this rank are left out; expert ids
-    are local). `num_experts` is the global count. On the CPU, a torch equivalent."""
-    if topk_ids.is_cuda:
-        from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
-        return moe_align_block_size(topk_ids, block_m, num_experts, expert_map, ignore_invalid_experts=True)
-    return align_block_size_torch(topk_ids, block_m, num_experts, expert_map)
-
-
-def align_block_size_torch(topk_ids, block_m, num_experts, expert_map=None):
-    """moe_align_block_size in torch (host-synchronising; CPU and tests): each expert's pairs in
-    ascending order, padded with num_pairs to a multiple of block_m; unused blocks get -1."""
-    flat = topk_ids.reshape(-1).long()
-    num_pairs = flat.numel()
-    size = num_pairs + num_experts * (block_m - 1)
-    if num_pairs < num_experts:
-        size = min(num_pairs * block_m, size)
-    local = expert_map.long()[flat] if expert_map is not None else flat
-    sorted_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=flat.device)
-    expert_ids = torch.full((-(-size // block_m),), -1, dtype=torch.int32, device=flat.device)
-    pos = 0
-    for e in range(num_experts):
-        pairs = (local == e).nonzero().flatten()
-        if pairs.numel() == 0:
-            continue
-        sorted_ids[pos:pos + pairs.numel()] = pairs.to(torch.int32)
-        blocks = -(-pairs.numel() // block_m)
-        expert_ids[pos // block_m:pos // block_m + blocks] = e
-        pos += blocks * block_m
-    return sorted_ids, expert_ids, torch.tensor([pos], dtype=torch.int32, device=flat.device)
-
-
-def moe_activation(activation: MoEActivation, h: torch.Tensor) -> torch.Tensor:
-    """vLLM's MoE activation of the w13 output [P, N13] -> [P, I]."""
-    gated = activation.is_gated
-    out = h.new_empty((h.shape[0], h.shape[1] // 2 if gated else h.shape[1]))
-    if h.is_cuda:
-        from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
-        apply_moe_activation(activation, out, h)
-        return out
-    fn = _ACTIVATIONS[activation]
-    hf = h.float()
-    out.copy_(fn(*hf.chunk(2, dim=-1)) if gated else fn(hf))
-    return out
-
-
-def moe_sum(y: torch.Tensor) -> torch.Tensor:
-    """[M, top_k, H] -> [M, H]: vLLM's moe_sum on the GPU."""
-    if y.is_cuda:
-        from vllm import _custom_ops
-        out = y.new_empty((y.shape[0], y.shape[2]))
-        _custom_ops.moe_sum(y, out)
-        return out
-    return y.sum(dim=1)
-
-
-def _fused_experts_torch(x, w13, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
-                         expert_map):
-    """vLLM's fused_experts (unquantized, with an expert map) in torch, for the CPU."""
-    m, top_k = topk_ids.shape
-    local = expert_map.long()[topk_ids.long()] if expert_map is not None else topk_ids.long()
-    rows = x.float().repeat_interleave(top_k, dim=0)
-    tw = topk_weights.float().reshape(-1, 1)
-    if apply_router_weight_on_input:
-        rows = rows * tw
-    y = torch.zeros(m * top_k, w2.shape[1], dtype=torch.float32)
-    for e in range(w13.shape[0]):
-        h = (rows @ w13[e].float().t()).to(x.dtype)
-        a = moe_activation(activation, h)
-        y = torch.where((local.reshape(-1) == e).unsqueeze(1), (a.float() @ w2[e].float().t()), y)
-    if not apply_router_weight_on_input:
-        y = y * tw
-    return y.to(x.dtype).reshape(m, top_k, -1).sum(1)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -245,7 +162,7 @@ def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor
     h = torch.ops.kbit.moe_gemm(x, ex.w13, ex.w13_absmax, ex.codebook, ex.bits, ex.n13, ex.hidden,
                                 sorted_ids, expert_ids, num_post, block_m, top_k)
     a = moe_activation(ex.activation, h)
-    y = torch.ops.kbit.moe_gemm(a, ex.w2, ex.w2_absmax, ex.codebook, ex.bits, ex.hidden, ex.inter,
+    y = torch.ops.kbit.moe_gemm(a, ex.w2, ex.w2_absmax, ex.w2_codebooks, ex.bits, ex.hidden, ex.inter,
                                 sorted_ids, expert_ids, num_post, block_m, 1,
                                 None if apply_router_weight_on_input else topk_weights)
     return moe_sum(y.view(m, top_k, ex.hidden))
@@ -261,9 +178,10 @@ def _forward_dense(ex, x, topk_weights, topk_ids, apply_router_weight_on_input):
     out = None
     for c, chunk_map in enumerate(maps):
         e0, e1 = c * chunk, min(ex.num_experts, (c + 1) * chunk)
-        w13 = torch.ops.kbit.dequantize_experts(ex.w13[e0:e1], ex.w13_absmax[e0:e1], ex.codebook, ex.bits,
+        cb13, cb2 = (cb if cb.dim() == 1 else cb[e0:e1] for cb in (ex.codebook, ex.w2_codebooks))
+        w13 = torch.ops.kbit.dequantize_experts(ex.w13[e0:e1], ex.w13_absmax[e0:e1], cb13, ex.bits,
                                                 ex.n13, ex.hidden, x.dtype)
-        w2 = torch.ops.kbit.dequantize_experts(ex.w2[e0:e1], ex.w2_absmax[e0:e1], ex.codebook, ex.bits,
+        w2 = torch.ops.kbit.dequantize_experts(ex.w2[e0:e1], ex.w2_absmax[e0:e1], cb2, ex.bits,
                                                ex.hidden, ex.inter, x.dtype)
         if x.is_cuda:
             from vllm.model_executor.layers.fused_moe import fused_experts
@@ -271,7 +189,7 @@ def _forward_dense(ex, x, topk_weights, topk_ids, apply_router_weight_on_input):
                               apply_router_weight_on_input=apply_router_weight_on_input,
                               global_num_experts=global_e, expert_map=chunk_map)
         else:
-            y = _fused_experts_torch(x, w13, w2, topk_weights, topk_ids, ex.activation,
+            y = fused_experts_torch(x, w13, w2, topk_weights, topk_ids, ex.activation,
                                      apply_router_weight_on_input, chunk_map)
         del w13, w2
         out = y if out is None else out.add_(y)
@@ -298,7 +216,7 @@ class KbitMoEMethod(FusedMoEMethodBase):
         bits, moe = self.config.bits, self.moe
         hid, inter = hidden_size, intermediate_size_per_partition
         tp = moe.moe_parallel_config.tp_size
-        if layer.activation not in _ACTIVATIONS or moe.swiglu_limit is not None:
+        if layer.activation not in ACTIVATIONS or moe.swiglu_limit is not None:
             raise ValueError(f"kbit MoE layer {self.prefix}: activation {layer.activation.value}"
                              f"{' with a clamp limit' if moe.swiglu_limit is not None else ''} is not supported; "
                              f"list the layer in quantization_config.ignore")
@@ -338,6 +256,38 @@ class KbitMoEMethod(FusedMoEMethodBase):
             layer.register_parameter(name, p)
             check_dtype = None if layer.kbit_mode == "online" else dtype
             set_weight_attrs(p, {"weight_loader": self._checked_loader(layer, name, loader, check_dtype, cols)})
+        if self.config.codebook_per_layer and layer.kbit_mode == "checkpoint":
+            for name in ("w13_codebook", "w2_codebook"):
+                p = torch.nn.Parameter(torch.empty(num_experts, 1 << bits, dtype=torch.float32), requires_grad=False)
+                layer.register_parameter(name, p)
+                set_weight_attrs(p, {"weight_loader": self._codebook_loader(layer, name)})
+
+    def _codebook_loader(self, layer, name):
+        """Loads expert e's `...experts.{e}.{proj}.codebook` into row e (local id) of `name`. The
+        gate and up projections of an expert are one kernel call with one codebook, so they must
+        carry equal ones (convert --fit-codebook fits one per fused pair)."""
+
+        def load(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+            full = f"{self.prefix}.{expert_id}.{shard_id}.codebook"
+            try:
+                cb = kf.check_codebook(loaded_weight, self.config.bits)
+            except kf.KbitFormatError as e:
+                raise ValueError(f"kbit: {full} ({weight_name}): {e}") from None
+            local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+            if local < 0:  # another rank's expert (expert parallel)
+                return False if return_success else None
+            seen = layer.kbit_loaded.setdefault(name, set())
+            if any(e == expert_id for e, _ in seen) and not torch.equal(param.data[local].cpu(), cb):
+                raise ValueError(
+                    f"kbit: {full} ({weight_name}) differs from the codebook of the other projection of "
+                    f"expert {expert_id} in {self.prefix}: vLLM runs gate_proj and up_proj (w1 / w3) as one "
+                    f"fused layer with one codebook per expert (convert --fit-codebook fits one per pair)")
+            param.data[local].copy_(cb)
+            seen.add((expert_id, shard_id))
+            return True if return_success else None
+
+        load.supports_moe_loading = True
+        return load
 
     def _checked_loader(self, layer, name, loader, dtype, cols):
         """vLLM's expert loader after checks that name the tensor, recording which (expert, shard)
@@ -396,6 +346,12 @@ class KbitMoEMethod(FusedMoEMethodBase):
                 self._check_all_loaded(layer, ("w13_qweight", "w13_absmax", "w2_qweight", "w2_absmax"))
             tensors = {w: (getattr(layer, f"{w}_qweight").data, getattr(layer, f"{w}_absmax").data)
                        for w in ("w13", "w2")}
+        per_expert = {}
+        if hasattr(layer, "w13_codebook"):  # quantization_config.codebook_per_layer
+            self._check_all_loaded(layer, ("w13_codebook", "w2_codebook"))
+            for w in ("w13", "w2"):
+                per_expert[w] = getattr(layer, f"{w}_codebook").data.float()
+                delattr(layer, f"{w}_codebook")
         for w, (q, a) in tensors.items():
             packed, absmax = repack_experts(q, a, bits)
             for name, t in ((f"{w}_qweight", packed), (f"{w}_absmax", absmax)):
@@ -405,7 +361,9 @@ class KbitMoEMethod(FusedMoEMethodBase):
                 else:
                     layer.register_parameter(name, param)
         device = layer.w13_qweight.device
-        layer.register_buffer("kbit_codebook", cb.to(device), persistent=False)
+        layer.register_buffer("kbit_codebook", per_expert.get("w13", cb).to(device), persistent=False)
+        layer.register_buffer("kbit_w2_codebook", per_expert["w2"].to(device) if per_expert else None,
+                              persistent=False)
         hid, inter, gated = layer.kbit_dims
         layer.kbit_dense_chunk = dense_chunk_size(hid, (2 if gated else 1) * inter, inter)
         layer.kbit_dense_maps = dense_expert_maps(layer.expert_map, layer.global_num_experts,
@@ -425,7 +383,18 @@ class KbitMoEMethod(FusedMoEMethodBase):
                            w2_absmax=layer.w2_absmax, codebook=layer.kbit_codebook, bits=self.config.bits,
                            hidden=hid, inter=inter, gated=gated, activation=layer.activation,
                            global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
-                           dense_maps=layer.kbit_dense_maps, dense_chunk=layer.kbit_dense_chunk)
+                           dense_maps=layer.kbit_dense_maps, dense_chunk=layer.kbit_dense_chunk,
+                           w2_codebook=layer.kbit_w2_codebook)
+
+    def select_gemm_impl(self, prepare_finalize, layer):
+        # vLLM asks for a modular experts kernel where it wraps the MoE layer: LoRA on the
+        # experts (FusedMoEWithLoRA), or an all-to-all expert-parallel backend. kbit experts
+        # run in apply() only, and vLLM's default message here speaks of its own kernel setup.
+        raise ValueError(
+            f"kbit MoE layer {self.prefix}: vLLM asks for a modular MoE kernel (LoRA on the experts, "
+            f"or an all-to-all expert-parallel backend), which kbit experts do not provide. With "
+            f"--enable-lora, leave the experts out of --lora-target-modules (e.g. --lora-target-modules "
+            f"q_proj k_proj v_proj o_proj); or list the layer in quantization_config.ignore")
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         # the MoE runner runs the shared experts itself (this method has no modular kernel)

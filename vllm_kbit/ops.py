@@ -14,13 +14,21 @@ as opaque and hand it back to `gemm` unchanged.
   kbit::moe_gemm(x, packed[E], absmax[E], codebook, bits, n, k, sorted_token_ids, expert_ids,
                  num_tokens_post_padded, block_m, top_k, topk_weights?) -> y[T*top_k, n]
   kbit::dequantize_experts(packed[E], absmax[E], codebook, bits, n, k, dtype) -> W[E, n, k]
+  kbit::gemm_fp8(x, packed, absmax, codebook, bits, n, k, w_exp, bias?) -> y[M, n]
+      FP8 (e4m3) activations, per-token scales; w_exp: fp8_act.weight_exponent of the layer
+  kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the kernel's k order, s_x fp32 [M])
+  kbit::gemm_fp8_quantized(x_q, s_x, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias?,
+                           tile_m=0, tile_n=0) -> y   (a nonzero tile forces the kernel's CTA tile:
+                           64x128, 128x128, 256x128 or 128x256 tokens x columns)
 The two MoE ops serve vLLM's MoE layer (vllm_kbit/moe.py): experts repacked one by one and
 stacked (moe.repack_experts), pairs (token, expert) grouped in blocks of block_m as vLLM's
-moe_align_block_size lays them out.
+moe_align_block_size lays them out. Their codebook is float32 [2^bits], one for all experts,
+or [E, 2^bits], expert e decoding with row e (convert --fit-codebook fits one per expert).
 """
 from __future__ import annotations
 
 import collections
+import enum
 import importlib
 import logging
 import os
@@ -28,6 +36,7 @@ import os
 import torch
 
 from vllm_kbit import format as kf
+from vllm_kbit import fp8_act
 
 _lib = torch.library.Library("kbit", "DEF")
 _lib.define("repack(Tensor qweight, Tensor absmax, int bits) -> (Tensor, Tensor)")
@@ -39,6 +48,12 @@ _lib.define("moe_gemm(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, i
             "int block_m, int top_k, Tensor? topk_weights=None) -> Tensor")
 _lib.define("dequantize_experts(Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, "
             "SymInt k, ScalarType dtype) -> Tensor")
+_lib.define("gemm_fp8(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, SymInt k, "
+            "int w_exp, Tensor? bias=None) -> Tensor")
+_lib.define("quantize_act_fp8(Tensor x, int bits) -> (Tensor, Tensor)")
+_lib.define("gemm_fp8_quantized(Tensor x_q, Tensor x_scale, Tensor packed, Tensor absmax, Tensor codebook, "
+            "int bits, SymInt n, SymInt k, int w_exp, ScalarType dtype, Tensor? bias=None, int tile_m=0, "
+            "int tile_n=0) -> Tensor")
 
 # VLLM_KBIT_REFERENCE=1: run the reference on every device, on purpose (to compare against it).
 REFERENCE_REQUESTED = os.environ.get("VLLM_KBIT_REFERENCE", "0") == "1"
@@ -144,6 +159,18 @@ def _check_expert_layout(packed, absmax, bits, n, k, op):
                          f"expects uint8 [{e}, {n}, {k // kf.BLOCK_SIZE}] (n={n}, k={k})")
 
 
+def _expert_codebooks(codebook, bits, num_experts, op, device, dtype):
+    """[E, 2^bits] in `dtype` on `device`: row e is expert e's codebook (a shared [2^bits]
+    one repeated)."""
+    entries = 1 << bits
+    if codebook.dim() == 1 and codebook.shape[0] == entries:
+        return codebook.to(device, dtype).expand(num_experts, entries)
+    if codebook.shape != (num_experts, entries):
+        raise ValueError(f"kbit::{op}: codebook has shape {tuple(codebook.shape)}; bits={bits} needs [{entries}] "
+                         f"(one for all experts) or [E = {num_experts}, {entries}] (one per expert)")
+    return codebook.to(device, dtype)
+
+
 def _work_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -167,9 +194,9 @@ def _moe_gemm_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, exp
     pair_expert = pair_expert[:num_pairs]
     rows = x.to(work).repeat_interleave(top_k, dim=0)
     y = torch.zeros(num_pairs, n, dtype=work, device=x.device)
-    cb = codebook.to(x.device, work)
+    cbs = _expert_codebooks(codebook, bits, packed.shape[0], "moe_gemm", x.device, work)
     for e in range(packed.shape[0]):
-        w = kf.dequantize(packed[e], absmax[e], bits, cb, dtype=work)
+        w = kf.dequantize(packed[e], absmax[e], bits, cbs[e], dtype=work)
         y = torch.where((pair_expert == e).unsqueeze(1), rows @ w.t(), y)
     if topk_weights is not None:
         y = y * topk_weights.reshape(-1, 1).to(work)
@@ -178,11 +205,25 @@ def _moe_gemm_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, exp
 
 def _dequantize_experts_ref(packed, absmax, codebook, bits, n, k, dtype):
     _check_expert_layout(packed, absmax, bits, n, k, "dequantize_experts")
-    cb = codebook.to(packed.device, _work_dtype(dtype))
+    cbs = _expert_codebooks(codebook, bits, packed.shape[0], "dequantize_experts", packed.device, _work_dtype(dtype))
     out = torch.empty(packed.shape[0], n, k, dtype=dtype, device=packed.device)
     for e in range(packed.shape[0]):
-        out[e] = kf.dequantize(packed[e], absmax[e], bits, cb, dtype=dtype)
+        out[e] = kf.dequantize(packed[e], absmax[e], bits, cbs[e], dtype=dtype)
     return out
+
+
+def _gemm_fp8_ref(x, packed, absmax, codebook, bits, n, k, w_exp, bias=None):
+    return fp8_act.gemm_ref(x, packed, absmax, codebook, bits, n, k, w_exp, bias)
+
+
+def _quantize_act_fp8_ref(x, bits):
+    return fp8_act.quantize_act(x, bits)
+
+
+def _gemm_fp8_quantized_ref(x_q, x_scale, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias=None,
+                            tile_m=0, tile_n=0):
+    w_q = fp8_act.weight_e4m3(packed, absmax, bits, codebook, w_exp)
+    return fp8_act.gemm_from_quantized(fp8_act.unpermute(x_q, bits), x_scale, w_q, w_exp, bias, dtype).to(dtype)
 
 
 _REF_KEYS = ["CPU"] if HAS_CUDA_KERNELS else ["CPU", "CUDA"]
@@ -192,6 +233,9 @@ for _key in _REF_KEYS:
     _lib.impl("quantize", _quantize_ref, _key)
     _lib.impl("moe_gemm", _moe_gemm_ref, _key)
     _lib.impl("dequantize_experts", _dequantize_experts_ref, _key)
+    _lib.impl("gemm_fp8", _gemm_fp8_ref, _key)
+    _lib.impl("quantize_act_fp8", _quantize_act_fp8_ref, _key)
+    _lib.impl("gemm_fp8_quantized", _gemm_fp8_quantized_ref, _key)
 
 
 # ----------------------------------------------------------------------------- fake kernels
@@ -210,6 +254,22 @@ def _moe_gemm_fake(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, ex
 @torch.library.register_fake("kbit::dequantize_experts")
 def _dequantize_experts_fake(packed, absmax, codebook, bits, n, k, dtype):
     return packed.new_empty((packed.shape[0], n, k), dtype=dtype)
+
+
+@torch.library.register_fake("kbit::gemm_fp8")
+def _gemm_fp8_fake(x, packed, absmax, codebook, bits, n, k, w_exp, bias=None):
+    return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake("kbit::quantize_act_fp8")
+def _quantize_act_fp8_fake(x, bits):
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+@torch.library.register_fake("kbit::gemm_fp8_quantized")
+def _gemm_fp8_quantized_fake(x_q, x_scale, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias=None, tile_m=0,
+                             tile_n=0):
+    return x_q.new_empty((x_q.shape[0], n), dtype=dtype)
 
 
 @torch.library.register_fake("kbit::repack")
@@ -242,12 +302,23 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: 
     return y.reshape(*x.shape[:-1], n)
 
 
+def gemm_fp8(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
+             bits: int, n: int, k: int, w_exp: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ bias) with x quantized per token to e4m3 (fp8_act describes the function);
+    w_exp: fp8_act.weight_exponent of the layer's absmax, computed once at load time."""
+    if x.shape[-1] != k:
+        raise ValueError(f"kbit gemm_fp8: x has {x.shape[-1]} features in its last dim, the layer expects k = {k}")
+    y = torch.ops.kbit.gemm_fp8(x.reshape(-1, k).contiguous(), packed, absmax, codebook, bits, n, k, w_exp, bias)
+    return y.reshape(*x.shape[:-1], n)
+
+
 def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = None,
              name: str = "weight") -> tuple[torch.Tensor, torch.Tensor, int]:
-    """W[N, K] -> (qweight, absmax, underflow_blocks) in the checkpoint layout, on the weight's
+    """W[N, K] -> (qweight, absmax, underflow_blocks) in the checkpoint layout, with `codebook`
+    (default: format.default_codebook, nf0, as every entry point that quantizes) on the weight's
     device (the CUDA kernel where built, else the reference). Bad input raises
     KbitFormatError naming `name` (see format.check_quantizable)."""
-    cb = kf.normal_float_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
+    cb = kf.default_codebook(bits) if codebook is None else kf.check_codebook(codebook, bits)
     underflow = kf.check_quantizable(weight, name)
     if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         weight = weight.float()  # e.g. float64: the kernels take 16/32-bit floats
@@ -270,27 +341,87 @@ def plan_overrides(overrides: dict | str | None = None) -> str:
     return ",".join(f"{key}={int(value)}" for key, value in overrides.items())
 
 
-# field names of the plan ops' lists, in order (csrc/binding.cpp documents them)
-GEMV_PLAN_FIELDS = ("splits", "warps", "slabs", "clusters")
-MMA_PLAN_FIELDS = ("config", "tile_m", "tile_n", "splits", "k_tiles_per_split", "items", "grid", "workspace_bytes")
-WGMMA_PLAN_FIELDS = ("tile_m", "splits", "grid_x", "token_tiles", "column_groups", "columns", "launch_per_sm",
-                     "row_split", "built_per_sm", "groups")
-
-GemvPlan = collections.namedtuple("GemvPlan", GEMV_PLAN_FIELDS)
-MmaPlan = collections.namedtuple("MmaPlan", MMA_PLAN_FIELDS)
-WgmmaPlan = collections.namedtuple("WgmmaPlan", WGMMA_PLAN_FIELDS)
+class Path(enum.IntEnum):
+    """kbit::gemm_path's path ids (csrc/dispatch/path_rule.h, Path): AUTO is kbit::gemm's rule."""
+    AUTO = 0
+    GEMV = 1
+    MMA = 2
+    DEQUANT = 3
+    WGMMA = 4
 
 
-def gemv_plan(m, n, k, bits, splits=0, overrides=None) -> GemvPlan:
-    """The GEMV's launch plan on the current device; `clusters`: how many clusters of 1..8
-    one-per-SM CTAs it runs at once."""
-    p = list(torch.ops.kbit.gemv_plan(m, n, k, bits, splits, plan_overrides(overrides)))
-    return GemvPlan(*p[:3], tuple(p[3:]))
+# field names of the plan ops' lists, in order (csrc/dispatch/plan_fields.h): the kernel's key,
+# then its launch. GemvPlan's clusters1..8 are gathered into one tuple field, `clusters`.
+GEMV_PLAN_FIELDS = ("bits", "dtype", "mt", "warps", "wide", "x_smem", "slabs", "splits", "chunk", "pdl",
+                    "pdl_trigger", "clusters")
+MMA_PLAN_FIELDS = ("bits", "dtype", "config", "tile_m", "tile_n", "splits", "k_tiles_per_split", "items", "grid",
+                   "workspace_bytes")
+WGMMA_PLAN_FIELDS = ("bits", "dtype", "tile_m", "columns", "row_split", "built_per_sm", "split_tall", "splits",
+                     "groups", "grid_x", "token_tiles", "column_groups", "launch_per_sm", "chunk", "spread", "y_tma",
+                     "pdl")
+_DTYPE_CODES = {0: "f16", 1: "bf16", 2: "f32"}  # the plan ops' dtype field (plan_fields.h, dtype_code)
 
 
-def mma_plan(m, n, k, bits, overrides=None) -> MmaPlan:
-    return MmaPlan(*torch.ops.kbit.mma_plan(m, n, k, bits, plan_overrides(overrides)))
+class GemvPlan(collections.namedtuple("GemvPlan", GEMV_PLAN_FIELDS)):
+    __slots__ = ()
+
+    @property
+    def kernel(self) -> str:
+        """The kernel's key as csrc/core/kernel_keys.h's describe() writes it."""
+        return (f"gemv<K{self.bits},{_DTYPE_CODES[self.dtype]},mt{self.mt},w{self.warps},"
+                f"{'wide' if self.wide else 'packed'},{'xsmem' if self.x_smem else 'xreg'},g{self.slabs}>")
+
+
+class MmaPlan(collections.namedtuple("MmaPlan", MMA_PLAN_FIELDS)):
+    __slots__ = ()
+
+    @property
+    def kernel(self) -> str:
+        return f"mma<K{self.bits},{_DTYPE_CODES[self.dtype]},cfg{self.config}>"
+
+
+class WgmmaPlan(collections.namedtuple("WgmmaPlan", WGMMA_PLAN_FIELDS)):
+    __slots__ = ()
+
+    @property
+    def kernel(self) -> str:
+        return (f"wgmma<K{self.bits},{_DTYPE_CODES[self.dtype]},mt{self.tile_m},cn{self.columns},r{self.row_split},"
+                f"cps{self.built_per_sm}{',split_tall' if self.split_tall else ''}>")
+
+
+def gemv_plan_from_list(values) -> GemvPlan:
+    """A GemvPlan from kbit::gemv_plan's list (its eight cluster counts gathered into `clusters`)."""
+    values = [int(v) for v in values]
+    n = len(GEMV_PLAN_FIELDS) - 1
+    return GemvPlan(*values[:n], tuple(values[n:]))
+
+
+def gemv_plan(m, n, k, bits, splits=0, overrides=None, dtype=torch.float16) -> GemvPlan:
+    """The GEMV's launch plan on the current device, naming its kernel; `clusters`: how many
+    clusters of 1..8 one-per-SM CTAs the device runs at once."""
+    return gemv_plan_from_list(torch.ops.kbit.gemv_plan(m, n, k, bits, splits, plan_overrides(overrides), dtype))
+
+
+def mma_plan(m, n, k, bits, overrides=None, dtype=torch.float16) -> MmaPlan:
+    return MmaPlan(*torch.ops.kbit.mma_plan(m, n, k, bits, plan_overrides(overrides), dtype))
 
 
 def wgmma_plan(m, n, k, bits, dtype=torch.float16, splits=0, overrides=None) -> WgmmaPlan:
     return WgmmaPlan(*torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits, plan_overrides(overrides)))
+
+
+def gemm_kernel(m, n, k, bits, dtype=torch.float16, path=Path.AUTO, splits=0, overrides=None) -> str:
+    """The kernel kbit::gemm_path(..., path, splits, overrides) runs for this shape on the current
+    device (kbit::gemm's with the defaults), as csrc/core/kernel_keys.h describes its key; the
+    dequantize path's is "dequantize<...> + cublas"."""
+    return torch.ops.kbit.gemm_kernel(m, n, k, bits, dtype, int(path), splits, plan_overrides(overrides))
+
+
+def moe_kernel(bits, dtype=torch.float16) -> str:
+    """The MoE expert GEMV kernel kbit::moe_gemm runs."""
+    return torch.ops.kbit.moe_kernel(bits, dtype)
+
+
+def heuristics_table() -> str:
+    """The name of the tuned table (csrc/dispatch/heuristics.h) the current device plans with."""
+    return torch.ops.kbit.heuristics()

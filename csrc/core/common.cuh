@@ -38,7 +38,7 @@ struct StreamParams {
   int chunk;                 // K-units per split (the K range of one CTA)
   bool pdl;                  // launched with programmatic dependent launch (use_pdl())
   bool trigger;              // allow_dependents() once the main loop is done (pdl_trigger())
-  // wgmma only: split-K over `groups` clusters reduced through a global workspace (wgmma_kernel.cuh)
+  // wgmma only: split-K over `groups` clusters reduced through a global workspace (wgmma/epilogue.cuh)
   int groups = 1;
   int* counters = nullptr;   // [tile][cluster rank] arrivals: zero before a launch and after it
   float4* partial = nullptr; // [tile][group][tile elements / 4] the clusters' sums

@@ -8,7 +8,7 @@
 // of the layout byte, K=2 pairs (e, e+2). Because an MMA sums over k in any order, the GEMV
 // permutes its x operand to match (PRMT on x registers; the table below says how). The wgmma
 // kernel takes x as stored (a TMA box) and regroups the decoded pairs into the natural order
-// instead (a PRMT a register, wgmma_kernel.cuh decode_row_tile), or at K=5, whose pairs are two
+// instead (a PRMT a register, wgmma/decode.cuh decode_row_tile), or at K=5, whose pairs are two
 // shuffled values joined by one PRMT anyway, joins (e, e+1) directly (Decoder::natural_pair).
 //
 // Operand-register slots of one k16 step (m16n8k16 / wgmma A and B fragments, t = lane % 4):

@@ -18,8 +18,10 @@
 #include <cuda_runtime.h>
 
 #include "core/device.h"
+#include "core/kernel_keys.h"
 #include "core/layout.cuh"
 #include "dispatch/gemv_plan.h"
+#include "dispatch/heuristics.h"
 #include "dispatch/mma_plan.h"
 #include "dispatch/overrides.h"
 #include "dispatch/path_rule.h"
@@ -59,6 +61,9 @@ cudaError_t launch_dequantize(DType dtype, const uint32_t* packed, const uint8_t
                               const float* codebook, void* w, int n_begin, int n_end, int k,
                               int bits, cudaStream_t stream);
 
+// ---- the device's tuned numbers (dispatch/heuristics.h): its table, chosen once per device
+const Heuristics& device_heuristics();
+
 // ---- programmatic dependent launch (core/common.cuh, wait_prior_grids)
 
 // Whether the GEMV and wgmma kernels are launched with PDL: on compute capability >= 9.0.
@@ -70,17 +75,19 @@ inline bool use_pdl_trigger(const PlanOverrides& o) { return o.pdl_trigger && us
 
 // ---- GEMV (1 <= M <= kGemvMaxM; gemv/)
 
-// The plan on the current device; `splits` > 0 forces the split-K factor (1..8; more than 1
-// needs sm_90 clusters and is clamped to 1 below sm_90). The GEMV needs no workspace.
-GemvPlan plan_gemv(int m, int n, int k, int bits, int num_sms, int splits, const PlanOverrides& o);
+// The plan on the current device, naming the kernel (plan.key); `splits` > 0 forces the split-K
+// factor (1..8; more than 1 needs sm_90 clusters and is clamped to 1 below sm_90). The GEMV
+// needs no workspace.
+GemvPlan plan_gemv(DType dtype, int m, int n, int k, int bits, int num_sms, int splits, const PlanOverrides& o);
 // The device's cluster capacity the plan counted (gemv::Clusters; zeros without clusters).
 gemv::Clusters gemv_device_clusters();
+// Launches the kernel plan.key names (cudaErrorInvalidValue where it is not built).
 cudaError_t launch_gemv(const GemvPlan& plan, const GemmOperands& a, cudaStream_t stream);
 
 // ---- mma.sync tensor-core kernel (mma/; GPUs without the wgmma kernel, M < dequant_min_m)
 
 bool has_mma();
-MmaPlan plan_mma(int m, int n, int k, int bits, int num_sms, const MmaOverrides& o);
+MmaPlan plan_mma(DType dtype, int m, int n, int k, int bits, int num_sms, const MmaOverrides& o);
 // `workspace`: mma_workspace_bytes(plan) bytes, 16 B aligned (nullable when 0).
 cudaError_t launch_mma(const MmaPlan& plan, const GemmOperands& a, void* workspace, cudaStream_t stream);
 
@@ -88,8 +95,8 @@ cudaError_t launch_mma(const MmaPlan& plan, const GemmOperands& a, void* workspa
 
 // This build has sm_90a code and the current device is compute capability 9.0.
 bool wgmma_supported();
-// The plan on the current device; `splits` > 0 forces the split along K (1..16; 9..16 are
-// non-portable cluster sizes).
+// The plan on the current device, naming the kernel (plan.key); `splits` > 0 forces the split
+// along K (1..16; 9..16 are non-portable cluster sizes).
 WgmmaPlan plan_wgmma(DType dtype, int m, int n, int k, int bits, int num_sms, int splits, const PlanOverrides& o);
 // Counters the caller keeps zero (launches leave them zero): kWgmmaZeroedCounters ints.
 constexpr int kWgmmaZeroedCounters = 1 << 16;

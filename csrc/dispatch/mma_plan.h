@@ -5,8 +5,10 @@
 #pragma once
 #include <cstddef>
 
+#include "core/kernel_keys.h"
 #include "core/layout.cuh"
 #include "dispatch/overrides.h"
+#include "mma/mma_config.h"
 
 namespace kbit {
 namespace mma {
@@ -15,23 +17,10 @@ constexpr int kMinKtPerSplit = 4;  // never split K finer than 4 K-tiles (256 k)
 constexpr int kMaxSplits = 16;
 constexpr size_t kMaxPartialBytes = size_t(64) << 20;  // split-K workspace cap (fp32 partials)
 
-// The three tile configs (make_plan picks one; all 8 warps, warp tile 16*MB x 32):
-//   0: 32 x 256 (M <= 32)   1: 64 x 256 (M <= 128)   2: 128 x 256 (large M)
-constexpr int kNumCfgs = 3;
-struct CfgDesc {
-  int mb, ng, wm, wn, min_blocks, threads, tile_m, tile_n;
-  double eff;  // relative tensor-pipe efficiency (cost model): more rows per B fragment
-};
-constexpr CfgDesc cfg_desc(int c) {
-  return c == 0 ? CfgDesc{2, 4, 1, 8, 2, 256, 32, 256, 0.4}
-       : c == 1 ? CfgDesc{4, 4, 1, 8, 2, 256, 64, 256, 0.6}
-                : CfgDesc{8, 4, 1, 8, 1, 256, 128, 256, 1.0};
-}
-
 // The launch plan: a pure function of (m, n, k, bits, num_sms), so the grid and the workspace
 // are the same on every call with these shapes (CUDA-graph safe, no host sync).
 struct Plan {
-  int cfg;
+  MmaKey key;  // the kernel: bit width, dtype and tile config (key.cfg)
   int m_tiles, n_tiles, k_tiles, n_units;
   int splits, kt_per_split, items, grid;
   size_t counter_bytes, partial_bytes;
@@ -65,7 +54,7 @@ inline double plan_cost(int c, int m, int n_units, int k_tiles, int num_sms, int
 inline Plan plan_for(int c, int splits, int m, int n, int k, int num_sms) {
   Plan pl{};
   const CfgDesc d = cfg_desc(c);
-  pl.cfg = c;
+  pl.key.cfg = c;
   pl.n_units = n_units(n);
   pl.k_tiles = k_units(k);
   pl.m_tiles = div_up(m, d.tile_m);
@@ -113,9 +102,12 @@ inline Plan make_plan(int m, int n, int k, int bits, int num_sms) {
 inline size_t workspace_bytes(const Plan& pl) { return pl.counter_bytes + pl.partial_bytes; }
 
 // The plan of one call: the cost model's, or a forced config (and split) for tests and tuning.
-inline Plan plan_for_overrides(int m, int n, int k, int bits, int num_sms, const MmaOverrides& o) {
-  if (o.config >= 0 && o.config < kNumCfgs) return plan_for(o.config, o.splits, m, n, k, num_sms);
-  return make_plan(m, n, k, bits, num_sms);
+inline Plan plan_for_overrides(int m, int n, int k, int bits, DType dtype, int num_sms, const MmaOverrides& o) {
+  Plan pl = o.config >= 0 && o.config < kNumCfgs ? plan_for(o.config, o.splits, m, n, k, num_sms)
+                                                 : make_plan(m, n, k, bits, num_sms);
+  pl.key.bits = bits;
+  pl.key.dtype = dtype;
+  return pl;
 }
 
 }  // namespace mma

@@ -21,7 +21,7 @@
 //   wgmma.row_split      1 | 2 warpgroups sharing a CTA's slabs at 32-token tiles
 //   wgmma.max_splits     1..16: the largest cluster the split choice considers
 //   wgmma.split_cost     the reduction cost of a split at 128-token tiles (choose_splits' units;
-//                        -1: kSplitCost128)
+//                        -1: wgmma_split_cost128)
 //   wgmma.wide           1: 512-column CTAs at tiles of <= 64 tokens
 //   wgmma.spread         0: never launch with half an SM's shared memory
 //   wgmma.y_tma          0: unsplit calls store y element by element, not through TMA
@@ -53,7 +53,7 @@ struct WgmmaOverrides {
   int one_per_sm = -1;      // -1: the plan's
   int row_split = 0;        // 0: the plan's
   int max_splits = 0;       // 0: the device's largest cluster
-  int split_cost = -1;      // -1: kSplitCost128
+  int split_cost = -1;      // -1: wgmma_split_cost128
   bool wide = false;
   bool spread = true;
   bool y_tma = true;

@@ -3,6 +3,7 @@
 // torch-free. docs/DESIGN.md explains the rule; docs/PERFORMANCE.md has the measurements
 // behind each threshold.
 #pragma once
+#include "dispatch/heuristics.h"
 
 namespace kbit {
 
@@ -12,30 +13,29 @@ enum Path : int { kAutoPath = 0, kGemvPath = 1, kMmaPath = 2, kDequantPath = 3, 
 constexpr int kGemvMaxM = 16;
 // Above it x takes two n8 tiles in the GEMV kernels.
 constexpr int kGemvOneTileM = 8;
-// From here dequantize + cuBLAS beats the mma.sync kernel (GPUs without the wgmma kernel).
-constexpr int kDequantMinM = 512;
 // The dequantize + cuBLAS path's scratch budget: every layer of an 8B model in one chunk.
 constexpr long long kDequantChunkMib = 256;
 
 inline int gemv_max_m(int /*bits*/) { return kGemvMaxM; }
-inline int dequant_min_m(int /*bits*/) { return kDequantMinM; }
+// From here dequantize + cuBLAS beats the mma.sync kernel (GPUs without the wgmma kernel).
+inline int dequant_min_m(const Heuristics& h, int /*bits*/) { return h.dequant_min_m; }
 // The wgmma kernel serves M up to here (on Hopper builds with sm_90a code) ...
-inline int wgmma_max_m(int bits) { return bits == 5 ? 1024 : bits == 4 ? 3072 : 4096; }
+inline int wgmma_max_m(const Heuristics& h, int bits) { return h.wgmma_max_m[bits - 2]; }
 // ... on every layer up to here, and above it only where its plan takes 256-token tiles
 // (its 128-token tiles lose to dequantize + cuBLAS there).
-inline int wgmma_short_max_m(int bits) { return bits == 5 ? 512 : 1023; }
+inline int wgmma_short_max_m(const Heuristics& h, int bits) { return h.wgmma_short_max_m[bits - 2]; }
 
-// The path for M rows at `bits`: `wgmma` says whether the wgmma kernel can run (build and
+// The path for M rows at `bits` on a GPU of table `h`: `wgmma` says whether the wgmma kernel can run (build and
 // device), `mma` whether the build has the mma.sync kernel, and `wgmma_takes_tall()` (asked only
 // between wgmma_short_max_m and wgmma_max_m) whether the wgmma plan takes 256-token tiles.
 template <typename TallFn>
-inline Path choose_path(long long m, int bits, bool wgmma, bool mma, TallFn&& wgmma_takes_tall) {
+inline Path choose_path(const Heuristics& h, long long m, int bits, bool wgmma, bool mma, TallFn&& wgmma_takes_tall) {
   if (m <= gemv_max_m(bits)) return kGemvPath;
-  if (m <= wgmma_max_m(bits) && wgmma) {
-    if (m <= wgmma_short_max_m(bits)) return kWgmmaPath;
+  if (m <= wgmma_max_m(h, bits) && wgmma) {
+    if (m <= wgmma_short_max_m(h, bits)) return kWgmmaPath;
     return wgmma_takes_tall() ? kWgmmaPath : kDequantPath;
   }
-  return mma && m < dequant_min_m(bits) ? kMmaPath : kDequantPath;
+  return mma && m < dequant_min_m(h, bits) ? kMmaPath : kDequantPath;
 }
 
 }  // namespace kbit

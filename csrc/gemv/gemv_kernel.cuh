@@ -45,9 +45,8 @@
 
 #include "core/common.cuh"
 #include "core/decode.cuh"
-#include "dispatch/gemv_plan.h"
 #include "core/layout.cuh"
-#include "dispatch/launchers.h"
+#include "gemv/gemv_config.h"
 
 namespace kbit {
 namespace gemv {
@@ -215,11 +214,11 @@ __device__ __forceinline__ void compute_stage(const Stage<BITS, MT>& st, float (
 // The one-CTA-per-SM configurations (16 warps, and the 8-warp M > 8 one with x in registers)
 // of K=3,4 read a pair table with wide rows (PairTable::kWideLutBytes): one instruction less
 // per pair (Decoder), for up to 64 KB of padding and twice the table, which only a CTA alone
-// on its SM can spare, and only where the device lets one CTA have that much (launch_alone):
-// sm_90 (227 KB) always; sm_80 (163 KB) at M <= 8 (100-133 KB); sm_86 / sm_89 (99 KB) never.
-// Not the K=4 16-warp kernel with the x ring (M > 8), where it measured slower. The x-resident
-// kernels take the wide rows too (launch_xr). The plan override gemv.wide_table=0 takes the
-// packed table everywhere (same bits).
+// on its SM can spare, and only where the device lets one CTA have that much (the planner
+// weighs each kernel's shared memory, dispatch/gemv_plan.h): sm_90 (227 KB) always; sm_80
+// (163 KB) at M <= 8 (100-133 KB); sm_86 / sm_89 (99 KB) never. Not the K=4 16-warp kernel with
+// the x ring (M > 8), where it measured slower. The x-resident kernels take the wide rows too
+// (kernel_entry). The plan override gemv.wide_table=0 takes the packed table everywhere (same bits).
 template <int BITS, int MT, int W> constexpr bool wide_lut() {
   return Traits<BITS>::kLutEntries > 0 && min_blocks<MT, W>() == 1 && kLutReplicas == 32 &&
          !(BITS == 4 && MT == 2 && W == kWideWarps);
@@ -238,11 +237,6 @@ template <auto Kernel> cudaError_t opt_in_smem(int bytes) {
   e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e == cudaSuccess && dev >= 0 && dev < 64) done[dev] = true;
   return e;
-}
-
-// Whether the current device lets one CTA of layout S have its shared memory.
-template <typename S> bool device_fits() {
-  return S::kBytes <= device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
 }
 
 // Register (kXs: ring) stages of a warp's unit stream.
@@ -516,82 +510,17 @@ cudaError_t launch_kernel(const Params& p, int splits, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-// One CTA-per-SM configuration, with the wide-row table where it applies, the plan allows it
-// and the device has the shared memory for it.
-template <int BITS, int MT, typename T, int W, bool kXs = false>
-cudaError_t launch_alone(const Params& p, int splits, bool wide_table, cudaStream_t stream) {
-  if constexpr (wide_lut<BITS, MT, W>()) {
-    if (wide_table && device_fits<Smem<BITS, MT, W, true, kXs>>())
-      return launch_kernel<BITS, MT, T, W, true, kXs>(p, splits, stream);
-  }
-  return launch_kernel<BITS, MT, T, W, false, kXs>(p, splits, stream);
-}
-
-// x resident: 16-warp CTAs of G slabs (one of kXrSlabs), or 15-warp CTAs of 15 (kXrFillSlabs).
-// K=3,4 with 4, 15 or 16 slabs read the wide-row table where the CTA's K range fits beside it
-// (Smem::kXrUnits: 44 units at M > 8, 88 at M <= 8, against 72 / 144 with the packed table)
-// and the plan allows it (`wide_table`).
-template <int BITS, int MT, typename T, int G>
-cudaError_t launch_xr_g(const Params& p, int splits, bool wide_table, cudaStream_t stream) {
-  constexpr int W = xr_warps(G);
-  if constexpr (Traits<BITS>::kLutEntries > 0 && G != 2) {  // (G = 2 with the wide rows: not measured)
-    using Wide = Smem<BITS, MT, W, true, true, G>;
-    if (wide_table && p.chunk <= Wide::kXrUnits && device_fits<Wide>())
-      return launch_kernel<BITS, MT, T, W, true, true, G>(p, splits, stream);
-  }
-  return launch_kernel<BITS, MT, T, W, false, true, G>(p, splits, stream);
-}
-
-template <int BITS, int MT, typename T>
-cudaError_t launch_xr(const Params& p, int splits, int slabs, bool wide_table, cudaStream_t stream) {
-  switch (slabs) {
-    case 2: return launch_xr_g<BITS, MT, T, 2>(p, splits, wide_table, stream);
-    case 4: return launch_xr_g<BITS, MT, T, 4>(p, splits, wide_table, stream);
-    case kXrFillSlabs: return launch_xr_g<BITS, MT, T, kXrFillSlabs>(p, splits, wide_table, stream);
-    case 16: return launch_xr_g<BITS, MT, T, 16>(p, splits, wide_table, stream);
-  }
-  return cudaErrorInvalidValue;
-}
-
-template <int BITS, typename T>
-cudaError_t launch_typed(const Params& p, const GemvPlan& pl, cudaStream_t stream) {
-  const int splits = pl.splits, warps = pl.warps;
-  if (pl.slabs > 0)  // x resident (the plan checked the device for it)
-    return p.m > kGemvOneTileM ? launch_xr<BITS, 2, T>(p, splits, pl.slabs, pl.wide_table, stream)
-                               : launch_xr<BITS, 1, T>(p, splits, pl.slabs, pl.wide_table, stream);
-  if (p.m > kGemvOneTileM) {
-    // 16 (or 4, four per SM) warps with x through shared memory where the device lets a CTA
-    // have the ring, else the 8-warp register kernel
-    if (pl.x_smem && device_fits<Smem<BITS, 2, kWideWarps, false, true>>()) {
-      if (warps == kNarrowWarps) return launch_kernel<BITS, 2, T, kNarrowWarps, false, true>(p, splits, stream);
-      return launch_alone<BITS, 2, T, kWideWarps, true>(p, splits, pl.wide_table, stream);
-    }
-    return launch_alone<BITS, 2, T, kWarps>(p, splits, pl.wide_table, stream);
-  }
-  if (warps == kWideWarps) return launch_alone<BITS, 1, T, kWideWarps>(p, splits, pl.wide_table, stream);
-  if (warps == kNarrowWarps) return launch_kernel<BITS, 1, T, kNarrowWarps>(p, splits, stream);
-  return launch_kernel<BITS, 1, T, kWarps>(p, splits, stream);
-}
-
-// Entry point of one bit width (instantiated in gemv/instantiations/gemv_k<BITS>.cu): the plan's
-// `warps` per CTA are kNarrowWarps, kWarps or kWideWarps at M <= 8; at M > 8 kNarrowWarps or
-// kWideWarps with x through shared memory, or kWarps with x in registers where the device
-// cannot give a CTA the ring (or the plan says so). `slabs` > 0 (kXrSlabs, kXrFillSlabs): CTAs
-// of that many slabs, x resident (xr_warps).
-template <int BITS>
-cudaError_t launch_bits(DType dtype, const Params& p, const GemvPlan& plan, cudaStream_t stream) {
-  if (dtype == DType::kHalf) return launch_typed<BITS, __half>(p, plan, stream);
-  if (dtype == DType::kBFloat16) return launch_typed<BITS, __nv_bfloat16>(p, plan, stream);
-  return cudaErrorInvalidValue;
-}
-
-#define KBIT_GEMV_INSTANTIATE_BITS(BITS) \
-  template cudaError_t launch_bits<BITS>(DType, const Params&, const GemvPlan&, cudaStream_t)
-
-// Whether the device gives a 16-warp CTA the x-resident layout's shared memory.
-inline bool xr_fits() {
-  const int optin = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
-  return Smem<4, 2, kWideWarps, false, true, 16>::kBytes <= optin && Smem<4, 1, kWideWarps, false, true, 16>::kBytes <= optin;
+// The selector's entry of one instantiation (gemv_kernels.h, generated): its launch and the
+// facts the planner weighs (dispatch/gemv_plan.h, plan_gemv_on). The wide-row table is built
+// only where wide_lut allows it, and for the x-resident CTAs of 4, 15 and 16 slabs at K = 3, 4
+// (their K range must fit beside it: Smem::kXrUnits; G = 2 with the wide rows: not measured).
+template <int BITS, int MT, typename T, int W, bool kWide, bool kXs, int G>
+constexpr GemvKernel kernel_entry() {
+  static_assert(!kWide || (G > 0 ? Traits<BITS>::kLutEntries > 0 && G != 2 : wide_lut<BITS, MT, W>()),
+                "the wide-row table only where it applies");
+  static_assert(G == 0 || W == xr_warps(G), "x-resident CTAs: xr_warps(G) warps");
+  using S = Smem<BITS, MT, W, kWide, kXs, G>;
+  return {&launch_kernel<BITS, MT, T, W, kWide, kXs, G>, {S::kBytes, G > 0 ? S::kXrUnits : 0}};
 }
 
 }  // namespace gemv

@@ -1,18 +1,13 @@
 // Host entry points of the GEMV path (declared in dispatch/launchers.h): the device facts the
-// plan needs (dispatch/gemv_plan.h), argument checks, and the dispatch on bits to the
-// per-bit-width instantiations (gemv/instantiations/gemv_k<BITS>.cu).
+// plan needs (dispatch/gemv_plan.h), argument checks, and the launch of the kernel the plan's key
+// names (gemv_kernels.h, generated: the instantiations are gemv/instantiations/gemv_k<BITS>.cu).
 #include <cuda_runtime.h>
 
+#include "core/common.cuh"
 #include "dispatch/launchers.h"
-#include "gemv/gemv_kernel.cuh"
+#include "gemv/gemv_kernels.h"
 
 namespace kbit {
-namespace gemv {
-extern template cudaError_t launch_bits<2>(DType, const Params&, const GemvPlan&, cudaStream_t);
-extern template cudaError_t launch_bits<3>(DType, const Params&, const GemvPlan&, cudaStream_t);
-extern template cudaError_t launch_bits<4>(DType, const Params&, const GemvPlan&, cudaStream_t);
-extern template cudaError_t launch_bits<5>(DType, const Params&, const GemvPlan&, cudaStream_t);
-}  // namespace gemv
 
 namespace {
 // Stands in for any CTA that has an SM to itself (the GEMV's 16-warp and x-resident CTAs): how
@@ -47,35 +42,37 @@ gemv::Clusters gemv_device_clusters() {
   return device_is_sm90_or_newer() ? device_clusters() : gemv::Clusters{};
 }
 
-GemvPlan plan_gemv(int m, int n, int k, int bits, int num_sms, int splits, const PlanOverrides& o) {
+GemvPlan plan_gemv(DType dtype, int m, int n, int k, int bits, int num_sms, int splits, const PlanOverrides& o) {
   gemv::GemvTarget t;
   t.num_sms = num_sms;
   t.clusters = device_is_sm90_or_newer();
-  t.resident_layout = t.clusters && gemv::xr_fits();
+  t.smem_optin = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
   if (t.clusters) t.cluster_capacity = device_clusters();
-  GemvPlan plan = plan_gemv_on(m, n, k, bits, t, splits, o.gemv);
-  plan.pdl = use_pdl(o);
-  plan.pdl_trigger = use_pdl_trigger(o);
-  return plan;
+  t.heuristics = &device_heuristics();
+  t.pdl = use_pdl(o);
+  t.pdl_trigger = use_pdl_trigger(o);
+  return plan_gemv_on(m, n, k, bits, dtype, t, splits, o.gemv, [](const GemvKey& key) -> const gemv::GemvKernelFacts* {
+    const gemv::GemvKernel* kernel = gemv::select_kernel(key);
+    return kernel != nullptr ? &kernel->facts : nullptr;
+  });
 }
 
 cudaError_t launch_gemv(const GemvPlan& plan, const GemmOperands& a, cudaStream_t stream) {
   if (a.m < 1 || a.m > kGemvMaxM || a.n < 1 || a.k < kBlock || a.k % kBlock != 0) return cudaErrorInvalidValue;
   if (a.dtype != DType::kHalf && a.dtype != DType::kBFloat16) return cudaErrorInvalidValue;
-  gemv::Params p;
+  // the plan's kernel, for this call's operands
+  if (plan.key.bits != a.bits || plan.key.dtype != a.dtype || plan.key.mt != (a.m > kGemvOneTileM ? 2 : 1))
+    return cudaErrorInvalidValue;
+  const gemv::GemvKernel* kernel = gemv::select_kernel(plan.key);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  StreamParams p;
   p.x = a.x; p.packed = a.packed; p.absmax = a.absmax; p.codebook = a.codebook; p.bias = a.bias; p.y = a.y;
   p.m = a.m; p.n = a.n; p.k = a.k;
   p.ku_count = k_units(a.k);
   p.pdl = plan.pdl;
   p.trigger = plan.pdl_trigger;
-  p.chunk = div_up(p.ku_count, plan.splits);
-  switch (a.bits) {
-    case 2: return gemv::launch_bits<2>(a.dtype, p, plan, stream);
-    case 3: return gemv::launch_bits<3>(a.dtype, p, plan, stream);
-    case 4: return gemv::launch_bits<4>(a.dtype, p, plan, stream);
-    case 5: return gemv::launch_bits<5>(a.dtype, p, plan, stream);
-  }
-  return cudaErrorInvalidValue;
+  p.chunk = plan.chunk;
+  return kernel->launch(p, plan.splits, stream);
 }
 
 }  // namespace kbit

@@ -45,8 +45,7 @@
 #include "core/common.cuh"
 #include "core/decode.cuh"
 #include "core/layout.cuh"
-#include "dispatch/launchers.h"
-#include "dispatch/mma_plan.h"
+#include "mma/mma_config.h"
 
 namespace kbit {
 namespace mma {
@@ -183,20 +182,6 @@ struct TileCfg {
   static_assert(unit_words(BITS) * 4 == BITS * 32 * 16, "a unit is [bits][32 lanes][16 B]");
   static_assert(kUnitAbsmaxBytes == 8 * 16, "absmax unit is [8 g][16 B]");
   static_assert(MINB * (kSmemBytes + 1024) <= 228 * 1024, "MINB CTAs fit the sm_90 shared memory");
-};
-
-struct Params {
-  const void* x;           // [m, k] row-major, fp16 / bf16
-  const uint4* packed;     // tiled layout (core/layout.cuh), 16 B aligned
-  const uint4* absmax;     // tiled E4M4 bytes
-  const float* codebook;   // [2^bits] fp32
-  const void* bias;        // [n] or nullptr
-  void* y;                 // [m, n] row-major
-  float4* partial;         // split-K partials [tile][split][tile elems] (fragment order)
-  int* counters;           // split-K arrival counters [tile], zeroed on-stream before launch
-  int m, n, k;
-  int n_units, k_tiles;    // 64-column units, 64-k tiles (= layout KU)
-  int m_tiles, n_tiles, splits, kt_per_split, items;
 };
 
 // ----------------------------------------------------------------------------- kernel
@@ -547,61 +532,13 @@ cudaError_t launch_cfg(const Params& prm, int grid, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Tile config c of cfg_desc, as the kernel's template arguments.
+// The selector's entry of tile config C (mma_kernels.h, generated).
 template <typename T, int BITS, int C>
-cudaError_t launch_config(const Params& prm, int grid, cudaStream_t stream) {
-  constexpr CfgDesc d = cfg_desc(C);
-  return launch_cfg<T, BITS, d.mb, d.ng, d.wm, d.wn, d.min_blocks>(prm, grid, stream);
+constexpr MmaKernel kernel_entry() {
+  constexpr cudaError_t (*launch)(const Params&, int, cudaStream_t) =
+      &launch_cfg<T, BITS, cfg_desc(C).mb, cfg_desc(C).ng, cfg_desc(C).wm, cfg_desc(C).wn, cfg_desc(C).min_blocks>;
+  return {launch};
 }
-
-// Launch for one dtype and bit width. `workspace` must hold workspace_bytes(plan) bytes (16 B
-// aligned) when plan.splits > 1.
-template <typename T, int BITS>
-cudaError_t launch_typed(const Plan& pl, const GemmOperands& a, void* workspace, cudaStream_t stream) {
-  Params prm{};
-  prm.x = a.x;
-  prm.packed = reinterpret_cast<const uint4*>(a.packed);
-  prm.absmax = reinterpret_cast<const uint4*>(a.absmax);
-  prm.codebook = a.codebook;
-  prm.bias = a.bias;
-  prm.y = a.y;
-  prm.m = a.m;
-  prm.n = a.n;
-  prm.k = a.k;
-  prm.n_units = pl.n_units;
-  prm.k_tiles = pl.k_tiles;
-  prm.m_tiles = pl.m_tiles;
-  prm.n_tiles = pl.n_tiles;
-  prm.splits = pl.splits;
-  prm.kt_per_split = pl.kt_per_split;
-  prm.items = pl.items;
-  if (pl.splits > 1) {
-    if (workspace == nullptr) return cudaErrorInvalidValue;
-    prm.counters = static_cast<int*>(workspace);
-    prm.partial = reinterpret_cast<float4*>(static_cast<char*>(workspace) + pl.counter_bytes);
-    // On-stream zeroing of the tiny counter array: graph-capturable, no host sync.
-    cudaError_t e = cudaMemsetAsync(workspace, 0, pl.counter_bytes, stream);
-    if (e != cudaSuccess) return e;
-  }
-  switch (pl.cfg) {
-    case 0: return launch_config<T, BITS, 0>(prm, pl.grid, stream);
-    case 1: return launch_config<T, BITS, 1>(prm, pl.grid, stream);
-    default: return launch_config<T, BITS, 2>(prm, pl.grid, stream);
-  }
-}
-
-// One bit width, both activation dtypes (instantiated in mma/instantiations/mma_k<BITS>.cu).
-template <int BITS>
-cudaError_t launch_bits(const Plan& pl, const GemmOperands& a, void* workspace, cudaStream_t stream) {
-  switch (a.dtype) {
-    case DType::kHalf: return launch_typed<half, BITS>(pl, a, workspace, stream);
-    case DType::kBFloat16: return launch_typed<__nv_bfloat16, BITS>(pl, a, workspace, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
-#define KBIT_MMA_INSTANTIATE_BITS(BITS) \
-  template cudaError_t launch_bits<BITS>(const Plan&, const GemmOperands&, void*, cudaStream_t)
 
 }  // namespace mma
 }  // namespace kbit

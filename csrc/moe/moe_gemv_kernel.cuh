@@ -9,6 +9,10 @@
 // in a fixed order (deterministic, no atomics). At batch 1 only the top_k routed experts' blocks
 // do any work, so the bytes read are those of the routed experts alone.
 //
+// Codebooks. The block's expert e decodes with its own codebook (codebook + e * stride: one
+// per expert where convert fitted them, stride 0 where the layer has one), loaded into the
+// block's table where the dense GEMV loads its layer's.
+//
 // Reuse. The unit loads (LaneUnit), the decode and the MMAs (gemv::compute_stage: W as the A
 // operand, x^T as the B operand of m16n8k16, the block scales on the weights or in fp32 as the
 // dense plan picks them, gemv::scale_weights) are the dense GEMV's, unchanged. What differs is
@@ -31,7 +35,7 @@
 #include "core/decode.cuh"
 #include "gemv/gemv_kernel.cuh"
 #include "core/layout.cuh"
-#include "moe/moe_launchers.h"
+#include "moe/moe_config.h"
 
 namespace kbit {
 namespace moe {
@@ -43,13 +47,14 @@ struct MoeParams {
   const void* x;                 // [num_pairs / top_k, k]
   const uint32_t* packed;        // [E, expert_words]
   const uint8_t* absmax;         // [E, expert_bytes]
-  const float* codebook;         // [2^bits]
+  const float* codebook;         // expert e's at codebook + e * codebook_stride
   const int32_t* sorted_ids;     // [num_sorted]
   const int32_t* expert_ids;     // [ceil(num_sorted / block_m)]
   const int32_t* num_tokens_post_padded;  // [1]
   const float* topk_weights;     // [num_pairs] or nullptr
   void* y;                       // [num_pairs, n]
   long long expert_words, expert_bytes;
+  int codebook_stride;           // 2^bits: one codebook per expert; 0: one shared
   int n, k, ku_count, num_experts, num_pairs, num_sorted, block_m, top_k;
 };
 
@@ -101,8 +106,10 @@ __device__ __forceinline__ void moe_block(const MoeParams& p, uint32_t* smem, co
   using Stage = gemv::Stage<BITS, MT>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-  const uint32_t table = init_codebook<BITS, T, false>(p.codebook, kScaleW ? codebook_mult<T>() : 1.0f, smem,
-                                                       threadIdx.x, kMoeThreads);
+  // the block's expert's codebook: one table fill per block, as with a shared one
+  const uint32_t table = init_codebook<BITS, T, false>(p.codebook + (long long)e * p.codebook_stride,
+                                                       kScaleW ? codebook_mult<T>() : 1.0f, smem, threadIdx.x,
+                                                       kMoeThreads);
   __syncthreads();  // the pair table (K=3,4) and the block's compacted ids
   const uint32_t lut_addr = opaque(uint32_t(__cvta_generic_to_shared(smem)) + 4u * (lane % kLutReplicas));
 
@@ -206,6 +213,20 @@ __global__ void __launch_bounds__(kMoeThreads, 3) moe_gemv_kernel(const MoeParam
   } else {
     moe_block<BITS, 2, T>(p, smem, ids, nrows, e, nu);
   }
+}
+
+// Launch of one instantiation: `blocks` blocks of sorted ids x the column units.
+template <int BITS, typename T>
+cudaError_t launch_kernel(const MoeParams& p, int blocks, cudaStream_t stream) {
+  moe_gemv_kernel<BITS, T><<<dim3(blocks, n_units(p.n), 1), kMoeThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The selector's entry of one instantiation (moe_kernels.h, generated).
+template <int BITS, typename T>
+constexpr MoeKernel kernel_entry() {
+  constexpr cudaError_t (*launch)(const MoeParams&, int, cudaStream_t) = &launch_kernel<BITS, T>;
+  return {launch};
 }
 
 }  // namespace moe

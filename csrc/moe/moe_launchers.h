@@ -12,12 +12,15 @@
 
 #include <cuda_runtime.h>
 
-#include "dispatch/launchers.h"
+#include "core/device.h"
+#include "core/kernel_keys.h"
+#include "moe/moe_config.h"  // kMoeMaxBlockM
 
 namespace kbit {
 
-// Largest block_m moe_gemm serves: a block's rows are at most two n8 MMA tiles of x.
-constexpr int kMoeMaxBlockM = 16;
+
+// The MoE GEMV kernel launch_moe_gemm runs for a bit width and dtype (moe_kernels.h).
+MoeKey moe_key(int bits, DType dtype);
 
 // y[num_pairs, n] (zeroed on the stream first, so rows no block covers are 0) with row p =
 // x[p / top_k] @ W_e^T (times topk_weights[p] where given) for every pair p of a block of
@@ -25,17 +28,21 @@ constexpr int kMoeMaxBlockM = 16;
 // *num_tokens_post_padded; ids >= num_pairs are padding. x [num_pairs / top_k, k] and y in
 // `dtype` (fp16 / bf16); topk_weights float32 [num_pairs] or nullptr. The grid is sized from
 // num_sorted (shapes only); nothing is read on the host.
+//
+// Codebooks: expert e decodes with codebook[e * codebook_stride .. + 2^bits): codebook_stride =
+// 2^bits for one codebook per expert ([E, 2^bits], convert --fit-codebook), 0 for one shared by
+// all ([2^bits]). (The same holds for launch_dequantize_experts.)
 cudaError_t launch_moe_gemm(DType dtype, const void* x, const uint32_t* packed, const uint8_t* absmax,
-                            const float* codebook, const int32_t* sorted_ids, const int32_t* expert_ids,
-                            const int32_t* num_tokens_post_padded, const float* topk_weights, void* y,
-                            int num_experts, int num_pairs, int num_sorted, int block_m, int top_k, int n,
-                            int k, int bits, cudaStream_t stream);
+                            const float* codebook, int codebook_stride, const int32_t* sorted_ids,
+                            const int32_t* expert_ids, const int32_t* num_tokens_post_padded,
+                            const float* topk_weights, void* y, int num_experts, int num_pairs, int num_sorted,
+                            int block_m, int top_k, int n, int k, int bits, cudaStream_t stream);
 
 // Stacked tiled experts [E, expert_words] / [E, expert_bytes] -> w [E, n, k] (fp16 / bf16 / fp32),
 // each expert bit-exact with launch_dequantize (format.dequantize); one launch, experts on the
 // grid's y dimension (repack/dequantize.cu).
 cudaError_t launch_dequantize_experts(DType dtype, const uint32_t* packed, const uint8_t* absmax,
-                                      const float* codebook, void* w, int num_experts, int n, int k, int bits,
-                                      cudaStream_t stream);
+                                      const float* codebook, int codebook_stride, void* w, int num_experts, int n,
+                                      int k, int bits, cudaStream_t stream);
 
 }  // namespace kbit

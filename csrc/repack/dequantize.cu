@@ -47,19 +47,22 @@ template <> struct DqPair<float> { using type = float2; };
 template <typename T> __device__ __forceinline__ typename DqPair<T>::type dq_pair(float a, float b) { return pack2<T>(a, b); }
 template <> __device__ __forceinline__ float2 dq_pair<float>(float a, float b) { return make_float2(a, b); }
 
-// kStacked: stacked MoE experts (launch_dequantize_experts), expert blockIdx.y's layout and
-// output at the given strides; its own instantiation, so the single-weight kernel keeps its code
+// kStacked: stacked MoE experts (launch_dequantize_experts), expert blockIdx.y's layout, output
+// and codebook at the given strides (codebook_stride 0: one shared); its own instantiation, so
+// the single-weight kernel keeps its code
 // and registers (the offsets cost it up to 14 registers, sm_90a).
 template <typename T, int BITS, bool kStacked>
 __global__ void __launch_bounds__(kDqWarps * 32) dequant_kernel(const uint32_t* __restrict__ packed,
                                                                 const uint8_t* __restrict__ absmax,
                                                                 const float* __restrict__ codebook, T* __restrict__ w,
                                                                 int n_begin, int n_end, int k, long long expert_words,
-                                                                long long expert_bytes, long long expert_elems) {
+                                                                long long expert_bytes, long long expert_elems,
+                                                                int codebook_stride) {
   if constexpr (kStacked) {
     packed += blockIdx.y * expert_words;
     absmax += blockIdx.y * expert_bytes;
     w += blockIdx.y * expert_elems;
+    codebook += blockIdx.y * codebook_stride;
   }
   using S = DqStaging<T>;
   using Pair = typename DqPair<T>::type;
@@ -128,8 +131,8 @@ __global__ void __launch_bounds__(kDqWarps * 32) dequant_kernel(const uint32_t* 
 }
 
 template <typename T, int BITS, bool kStacked>
-cudaError_t launch_dequant_bits(const uint32_t* packed, const uint8_t* absmax, const float* codebook, T* w, int n_begin,
-                                int n_end, int k, int experts, cudaStream_t stream) {
+cudaError_t launch_dequant_bits(const uint32_t* packed, const uint8_t* absmax, const float* codebook, int cb_stride,
+                                T* w, int n_begin, int n_end, int k, int experts, cudaStream_t stream) {
   const auto kernel = dequant_kernel<T, BITS, kStacked>;
   // a grid-stride loop over units with as many CTAs as are resident at once (asked once per
   // instantiation), so that every warp runs a few units and its next loads overlap its decode
@@ -148,35 +151,45 @@ cudaError_t launch_dequant_bits(const uint32_t* packed, const uint8_t* absmax, c
   const long long words = layout_units * unit_words(BITS), bytes = layout_units * kUnitAbsmaxBytes;
   const long long elems = (long long)n_end * k;
   kernel<<<dim3(grid, experts, 1), kDqWarps * 32, 0, stream>>>(packed, absmax, codebook, w, n_begin, n_end, k, words,
-                                                               bytes, elems);
+                                                               bytes, elems, cb_stride);
   return cudaGetLastError();
 }
 
 template <typename T, bool kStacked>
-cudaError_t launch_dequant_t(const uint32_t* packed, const uint8_t* absmax, const float* codebook, T* w, int n_begin,
-                             int n_end, int k, int bits, int experts, cudaStream_t stream) {
+cudaError_t launch_dequant_t(const uint32_t* packed, const uint8_t* absmax, const float* codebook, int cb_stride, T* w,
+                             int n_begin, int n_end, int k, int bits, int experts, cudaStream_t stream) {
   switch (bits) {
-    case 2: return launch_dequant_bits<T, 2, kStacked>(packed, absmax, codebook, w, n_begin, n_end, k, experts, stream);
-    case 3: return launch_dequant_bits<T, 3, kStacked>(packed, absmax, codebook, w, n_begin, n_end, k, experts, stream);
-    case 4: return launch_dequant_bits<T, 4, kStacked>(packed, absmax, codebook, w, n_begin, n_end, k, experts, stream);
-    case 5: return launch_dequant_bits<T, 5, kStacked>(packed, absmax, codebook, w, n_begin, n_end, k, experts, stream);
+    case 2:
+      return launch_dequant_bits<T, 2, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
+                                                  stream);
+    case 3:
+      return launch_dequant_bits<T, 3, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
+                                                  stream);
+    case 4:
+      return launch_dequant_bits<T, 4, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
+                                                  stream);
+    case 5:
+      return launch_dequant_bits<T, 5, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
+                                                  stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <bool kStacked>
 cudaError_t launch_dequant_dtype(DType dtype, const uint32_t* packed, const uint8_t* absmax, const float* codebook,
-                                 void* w, int n_begin, int n_end, int k, int bits, int experts, cudaStream_t stream) {
+                                 int cb_stride, void* w, int n_begin, int n_end, int k, int bits, int experts,
+                                 cudaStream_t stream) {
   switch (dtype) {
     case DType::kHalf:
-      return launch_dequant_t<__half, kStacked>(packed, absmax, codebook, static_cast<__half*>(w), n_begin, n_end, k,
-                                                bits, experts, stream);
+      return launch_dequant_t<__half, kStacked>(packed, absmax, codebook, cb_stride, static_cast<__half*>(w), n_begin,
+                                                n_end, k, bits, experts, stream);
     case DType::kBFloat16:
-      return launch_dequant_t<__nv_bfloat16, kStacked>(packed, absmax, codebook, static_cast<__nv_bfloat16*>(w),
-                                                       n_begin, n_end, k, bits, experts, stream);
+      return launch_dequant_t<__nv_bfloat16, kStacked>(packed, absmax, codebook, cb_stride,
+                                                       static_cast<__nv_bfloat16*>(w), n_begin, n_end, k, bits,
+                                                       experts, stream);
     case DType::kFloat32:
-      return launch_dequant_t<float, kStacked>(packed, absmax, codebook, static_cast<float*>(w), n_begin, n_end, k,
-                                               bits, experts, stream);
+      return launch_dequant_t<float, kStacked>(packed, absmax, codebook, cb_stride, static_cast<float*>(w), n_begin,
+                                               n_end, k, bits, experts, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -186,14 +199,16 @@ cudaError_t launch_dequant_dtype(DType dtype, const uint32_t* packed, const uint
 cudaError_t launch_dequantize(DType dtype, const uint32_t* packed, const uint8_t* absmax, const float* codebook,
                               void* w, int n_begin, int n_end, int k, int bits, cudaStream_t stream) {
   if (n_begin < 0 || n_end <= n_begin || k <= 0 || k % kBlock != 0) return cudaErrorInvalidValue;
-  return launch_dequant_dtype<false>(dtype, packed, absmax, codebook, w, n_begin, n_end, k, bits, 1, stream);
+  return launch_dequant_dtype<false>(dtype, packed, absmax, codebook, 0, w, n_begin, n_end, k, bits, 1, stream);
 }
 
 cudaError_t launch_dequantize_experts(DType dtype, const uint32_t* packed, const uint8_t* absmax,
-                                      const float* codebook, void* w, int num_experts, int n, int k, int bits,
-                                      cudaStream_t stream) {
+                                      const float* codebook, int codebook_stride, void* w, int num_experts, int n,
+                                      int k, int bits, cudaStream_t stream) {
   if (num_experts < 1 || num_experts > 65535 || n < 1 || k <= 0 || k % kBlock != 0) return cudaErrorInvalidValue;
-  return launch_dequant_dtype<true>(dtype, packed, absmax, codebook, w, 0, n, k, bits, num_experts, stream);
+  if (codebook_stride != 0 && codebook_stride != (1 << bits)) return cudaErrorInvalidValue;
+  return launch_dequant_dtype<true>(dtype, packed, absmax, codebook, codebook_stride, w, 0, n, k, bits, num_experts,
+                                    stream);
 }
 
 }  // namespace kbit

@@ -8,9 +8,12 @@
 //     the device holds them, not as SMs / 4).
 #include <cstdio>
 
+#include <set>
 #include <string>
+#include <tuple>
 
 #include "dispatch/gemv_plan.h"
+#include "dispatch/heuristics.h"
 #include "dispatch/overrides.h"
 
 using namespace kbit;
@@ -42,8 +45,34 @@ static Clusters clusters_of(int sms) {
 }
 
 static Plan plan(int m, int n, int k, int bits, bool resident_ok = true, int sms = kH200Sms) {
-  return choose_plan(m, n_units(n), k_units(k), bits, sms, clusters_of(sms), resident_ok);
+  return choose_plan(kH200Heuristics, m, n_units(n), k_units(k), bits, sms, clusters_of(sms), resident_ok);
 }
+// The kernels plan_gemv_on may name, as the H200 gives them: every one built and fitting its
+// shared memory (227 KB); the wide-table kernels built where gemv_kernel.cuh builds them (K = 3, 4,
+// one CTA per SM; not the K=4 16-warp ring kernel; not x resident in 2 slabs), the x-resident
+// ones holding 72 / 144 units of K (44 / 88 beside the wide table).
+static const GemvKernelFacts* h200_facts(const GemvKey& key) {
+  static GemvKernelFacts packed[2], wide[2];
+  for (int mt = 1; mt <= 2; ++mt) {
+    packed[mt - 1] = {200 * 1024, xr_max_units(mt)};
+    wide[mt - 1] = {227 * 1024, mt == 2 ? 44 : 88};
+  }
+  if (!key.wide) return &packed[key.mt - 1];
+  const bool lut = key.bits == 3 || key.bits == 4;
+  const bool built = key.slabs > 0 ? key.slabs != 2
+                                   : key.warps != kNarrowWarps && !(key.mt == 1 && key.warps == kWarps) &&
+                                         !(key.bits == 4 && key.mt == 2 && key.warps == kWideWarps);
+  return lut && built ? &wide[key.mt - 1] : nullptr;
+}
+static GemvPlan plan_on(int m, int n, int k, int bits, const GemvTarget& t, int splits, const GemvOverrides& o) {
+  return plan_gemv_on(m, n, k, bits, DType::kHalf, t, splits, o, h200_facts);
+}
+
+// the kernels the plans above named: printed for tests/test_gemv_plan.py, which checks that
+// csrc/generate_instantiations.py builds each of them
+static std::set<std::tuple<int, int, int, int, int, int>> keys_seen;
+static void note_key(const GemvKey& k) { keys_seen.insert({k.bits, k.mt, k.warps, k.wide, k.x_smem, k.slabs}); }
+
 static void expect_plan(int m, int n, int k, int bits, int splits, int warps, int slabs) {
   const Plan p = plan(m, n, k, bits);
   EXPECT(p.splits == splits && p.warps == warps && p.slabs == slabs,
@@ -62,7 +91,7 @@ int main() {
       // an lm_head (128256x4096): x resident in 16-slab CTAs at every M
       expect_plan(m, 128256, 4096, bits, 1, kWideWarps, 16);
       // Phi-3-mini's qkv (9216x3072, 144 slabs, 48 units): 4-warp CTAs at S = 3, 4 units a warp
-      // (kNarrowMinUnits; 0.84-0.90x the time of x resident at G = 2, S = 1)
+      // (gemv_narrow_min_units; 0.84-0.90x the time of x resident at G = 2, S = 1)
       expect_plan(m, 9216, 3072, bits, 3, kNarrowWarps, 0);
     }
     // 8B gate_up (28672x4096, 448 slabs): four 4-warp CTAs per SM up to M = 5 (at K = 3, 4 none),
@@ -134,8 +163,8 @@ int main() {
               EXPECT(p.warps == xr_warps(p.slabs), "resident CTAs of %d slabs have %d warps", p.slabs, p.warps);
               EXPECT(chunk <= xr_max_units(m > kGemvOneTileM ? 2 : 1), "%dx%d M=%d: K range %d units", n, k, m, chunk);
               EXPECT(div_up(ku, chunk) == p.splits, "%dx%d M=%d: an empty split", n, k, m);
-              EXPECT(p.splits <= 2 || (p.splits == 4 && xr_warps(p.slabs) == p.slabs && bits >= kS4MinBits &&
-                                       chunk >= kS4Min && div_up(nu, p.slabs) <= clusters_of(sms).n[4]),
+              EXPECT(p.splits <= 2 || (p.splits == 4 && xr_warps(p.slabs) == p.slabs && bits >= kH200Heuristics.gemv_s4_min_bits &&
+                                       chunk >= kH200Heuristics.gemv_s4_min_units && div_up(nu, p.slabs) <= clusters_of(sms).n[4]),
                      "%dx%d M=%d K=%d: S=%d G=%d outside the measured clusters", n, k, m, bits, p.splits, p.slabs);
               // 15 slabs only where 16 would make fewer clusters
               EXPECT(p.slabs != kXrFillSlabs || (p.splits == 4 && div_up(nu, 15) > div_up(nu, 16)),
@@ -149,29 +178,79 @@ int main() {
   // the call's plan (plan_gemv_on): without overrides, the planner's; with them, what they force
   GemvTarget h200;
   h200.num_sms = kH200Sms;
-  h200.clusters = h200.resident_layout = true;
+  h200.clusters = true;
+  h200.smem_optin = 227 * 1024;
   h200.cluster_capacity = kH200Clusters;
+  h200.heuristics = &kH200Heuristics;
   for (int bits = 2; bits <= 5; ++bits) {
     for (int m = 1; m <= kGemvMaxM; ++m) {
       for (const int n : {4096, 6144, 28672, 128256}) {
         const Plan want = plan(m, n, 4096, bits);
-        const GemvPlan got = plan_gemv_on(m, n, 4096, bits, h200, 0, GemvOverrides{});
-        EXPECT(got.splits == want.splits && got.warps == want.warps && got.slabs == want.slabs,
+        const GemvPlan got = plan_on(m, n, 4096, bits, h200, 0, GemvOverrides{});
+        note_key(got.key);
+        EXPECT(got.splits == want.splits && got.warps() == want.warps && got.slabs() == want.slabs,
                "%dx4096 M=%d K=%d: plan_gemv_on differs from choose_plan", n, m, bits);
-        EXPECT(got.wide_table && got.x_smem, "default overrides keep the wide table and the x ring");
+        // the key: this call's bit width, tile and x placement; the wide table wherever it is built
+        const GemvKey& key = got.key;
+        EXPECT(key.bits == bits && key.mt == (m > kGemvOneTileM ? 2 : 1), "key of M=%d K=%d", m, bits);
+        EXPECT(key.x_smem == (key.slabs > 0 || m > kGemvOneTileM), "%dx4096 M=%d: x placement", n, m);
+        EXPECT(got.chunk == div_up(k_units(4096), got.splits), "chunk");
+        GemvKey wide = key;
+        wide.wide = true;
+        const GemvKernelFacts* wf = h200_facts(wide);
+        EXPECT(key.wide == (wf != nullptr && (key.slabs == 0 || got.chunk <= wf->xr_units)),
+               "%dx4096 M=%d K=%d: the wide table where it is built and fits", n, m, bits);
+        GemvOverrides packed;
+        packed.wide_table = false;
+        EXPECT(!plan_on(m, n, 4096, bits, h200, 0, packed).key.wide, "gemv.wide_table=0");
+        GemvOverrides xreg;
+        xreg.x_smem = false;
+        xreg.x_resident = false;
+        const GemvPlan r = plan_on(m, n, 4096, bits, h200, 0, xreg);
+        note_key(r.key);
+        if (m > kGemvOneTileM)
+          EXPECT(!r.key.x_smem && r.key.warps == kWarps, "gemv.x_smem=0: the 8-warp register kernel, M=%d", m);
       }
+      // a device that cannot give a CTA the x ring (sm_86 / sm_89: 99 KB): the register kernel,
+      // never x resident, never the wide table
+      GemvTarget small = h200;
+      small.smem_optin = 99 * 1024;
+      const GemvPlan sp = plan_on(m, 28672, 4096, bits, small, 0, GemvOverrides{});
+      note_key(sp.key);
+      EXPECT(sp.key.slabs == 0 && !sp.key.wide && (m <= kGemvOneTileM || (!sp.key.x_smem && sp.key.warps == kWarps)),
+             "99 KB device, M=%d K=%d", m, bits);
       GemvOverrides off;
       off.x_resident = false;
-      EXPECT(plan_gemv_on(m, 128256, 4096, bits, h200, 0, off).slabs == 0, "gemv.x_resident=0, M=%d", m);
+      EXPECT(plan_on(m, 128256, 4096, bits, h200, 0, off).slabs() == 0, "gemv.x_resident=0, M=%d", m);
       GemvOverrides g4;
       g4.slabs = 4;
-      EXPECT(plan_gemv_on(m, 28672, 4096, bits, h200, 0, g4).slabs == 4, "gemv.slabs=4, M=%d", m);
-      EXPECT(plan_gemv_on(m, 28672, 4096, bits, h200, 2, g4).splits == 2, "a forced split stays, M=%d", m);
+      EXPECT(plan_on(m, 28672, 4096, bits, h200, 0, g4).slabs() == 4, "gemv.slabs=4, M=%d", m);
+      EXPECT(plan_on(m, 28672, 4096, bits, h200, 2, g4).splits == 2, "a forced split stays, M=%d", m);
       GemvTarget old = h200;  // no clusters (below sm_90): S = 1, never resident
-      old.clusters = old.resident_layout = false;
-      const GemvPlan p = plan_gemv_on(m, 4096, 14336, bits, old, 3, GemvOverrides{});
-      EXPECT(p.splits == 1 && p.slabs == 0, "no clusters: S=%d G=%d", p.splits, p.slabs);
+      old.clusters = false;
+      const GemvPlan p = plan_on(m, 4096, 14336, bits, old, 3, GemvOverrides{});
+      EXPECT(p.splits == 1 && p.slabs() == 0, "no clusters: S=%d G=%d", p.splits, p.slabs());
     }
+  }
+
+  // the device's table (heuristics.h): H100 and H200 by compute capability 9.0 and memory size,
+  // everything else the generic one
+  {
+    const auto facts = [](const char* name, int major, int minor, int sms, long long gib) {
+      DeviceFacts d;
+      d.name = name;
+      d.major = major;
+      d.minor = minor;
+      d.num_sms = sms;
+      d.l2_bytes = 50LL << 20;
+      d.global_mem_bytes = gib << 30;
+      return d;
+    };
+    EXPECT(&choose_heuristics(facts("NVIDIA H100 80GB HBM3", 9, 0, 132, 79)) == &kH100Heuristics, "H100 SXM");
+    EXPECT(&choose_heuristics(facts("NVIDIA H100 PCIe", 9, 0, 114, 79)) == &kH100Heuristics, "H100 PCIe");
+    EXPECT(&choose_heuristics(facts("NVIDIA H200", 9, 0, 132, 140)) == &kH200Heuristics, "H200");
+    EXPECT(&choose_heuristics(facts("NVIDIA A100-SXM4-80GB", 8, 0, 108, 79)) == &kGenericHeuristics, "A100");
+    EXPECT(&choose_heuristics(facts("NVIDIA L40S", 8, 9, 142, 44)) == &kGenericHeuristics, "L40S");
   }
 
   // plan overrides: the strings the ops take
@@ -189,6 +268,9 @@ int main() {
     EXPECT(!parse_overrides("gemv.wide_table=2", &o).empty(), "a flag is 0 or 1");
     EXPECT(!parse_overrides("pdl", &o).empty() && !parse_overrides("pdl=x", &o).empty(), "key=integer only");
   }
+  for (const auto& k : keys_seen)
+    std::printf("key %d %d %d %d %d %d\n", std::get<0>(k), std::get<1>(k), std::get<2>(k), std::get<3>(k),
+                std::get<4>(k), std::get<5>(k));
   std::printf("gemv_plan_test: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }

@@ -13,32 +13,18 @@ codebook[index] * block_scale. Two closed-form families and one data-driven fit:
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from vllm_kbit import format as kf
+from vllm_kbit.format import nearest_index
+from vllm_kbit.quant.scales import mse_codes
 
 CODEBOOKS = ("nf", "nf0")
 
 
-@functools.lru_cache(maxsize=None)
-def _nf0_cpu(bits: int) -> torch.Tensor:
-    n = 1 << bits
-    pos, neg = n // 2, n // 2 - 1
-    # bitsandbytes' offset: halfway between the outermost quantiles of 2(n-1) and 2n bins, so
-    # the largest level is finite and both halves end at +-1 after scaling
-    offset = ((1 - 1 / (2 * (n - 1))) + (1 - 1 / (2 * n))) / 2
-    ndtri = torch.special.ndtri
-    p = ndtri(torch.linspace(offset, 0.5, pos + 1, dtype=torch.float64)[:-1])
-    m = -ndtri(torch.linspace(offset, 0.5, neg + 1, dtype=torch.float64)[:-1])
-    v = torch.cat([p, torch.zeros(1, dtype=torch.float64), m]).sort().values
-    return (v / v.abs().max()).to(torch.float32)
-
-
 def nf0_codebook(bits: int) -> torch.Tensor:
-    """Normal-float codebook with an exact zero (2^(K-1) - 1 negative levels, 0, 2^(K-1) positive)."""
-    return _nf0_cpu(kf.check_bits(bits)).clone()
+    """Normal-float codebook with an exact zero (format.nf0_codebook)."""
+    return kf.nf0_codebook(bits)
 
 
 def named_codebook(name: str, bits: int) -> torch.Tensor:
@@ -50,14 +36,8 @@ def named_codebook(name: str, bits: int) -> torch.Tensor:
 
 
 def default_codebook(bits: int) -> torch.Tensor:
-    """The codebook new conversions use (see docs/FORMAT.md for why): nf0 at every K."""
-    return nf0_codebook(bits)
-
-
-def nearest_index(v: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """Index of the codebook entry nearest to each v (the lower entry at a midpoint); int64."""
-    cb = codebook.to(v.device, v.dtype)
-    return torch.bucketize(v, (cb[1:] + cb[:-1]) / 2)
+    """The codebook every entry point that quantizes uses by default (format.DEFAULT_CODEBOOK)."""
+    return kf.default_codebook(bits)
 
 
 def _clean(cb: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
@@ -78,8 +58,6 @@ def fit_codebook(weights: list[torch.Tensor], bits: int, init: torch.Tensor | No
     (or, with scale_search > 0, the mse search of `scales.mse_codes` against the current
     codebook, alternating twice). At most max_samples blocks' values are used (a random subset
     of blocks), so an 8B layer fits in seconds."""
-    from vllm_kbit.quant.scales import mse_codes
-
     cb = (nf0_codebook(bits) if init is None else kf.check_codebook(init, bits)).to(weights[0].device)
     blocks = torch.cat([w.float().reshape(-1, kf.BLOCK_SIZE) for w in weights])
     if blocks.numel() > max_samples:

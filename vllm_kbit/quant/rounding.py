@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from vllm_kbit import format as kf
-from vllm_kbit.quant.codebooks import nearest_index
+from vllm_kbit.format import nearest_index
 from vllm_kbit.quant.scales import absmax_codes, mse_codes
 
 METHODS = ("rtn", "mse", "gptq")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from vllm_kbit import format as kf
-from vllm_kbit.quant.codebooks import nearest_index
+from vllm_kbit.format import nearest_index
 
 # Elements of the [blocks, candidates, 32] work tensors processed at once (~64 MiB float32).
 _BUDGET = 16 * 1024 * 1024

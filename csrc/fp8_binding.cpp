@@ -1,0 +1,149 @@
+// Torch binding of the FP8-activation kbit GEMM (wgmma_fp8/): checks, allocation with the torch
+// allocator, launch on the current stream. Schemas are defined in Python (vllm_kbit/ops.py):
+//   kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the GEMM's k order, s_x [M] fp32)
+//   kbit::gemm_fp8(x, packed, absmax, codebook, bits, n, k, w_exp, bias?) -> y [M, n]
+//   kbit::gemm_fp8_quantized(x_q, s_x, packed, absmax, codebook, bits, n, k, w_exp, dtype,
+//                            bias?, tile_m, tile_n) -> y
+//       tile_m = tile_n = 0: the kernel's choice; else the CTA tile (tokens x columns) 64 x 128,
+//       128 x 128, 256 x 128 or 128 x 256 (a 0 stands for 128)
+// No host sync and a grid from shapes only: graph-capturable.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+
+#include "wgmma_fp8/fp8_launch.h"
+
+namespace kbit {
+namespace fp8 {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, std::string("kbit::") + what + ": CUDA error: " + cudaGetErrorString(err));
+}
+
+void check_dense(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, const at::Tensor& ref) {
+  const std::string where = std::string("kbit::") + op + ": " + name;
+  TORCH_CHECK(t.is_cuda() && t.device() == ref.device(), where + " must be on " + ref.device().str());
+  TORCH_CHECK(t.scalar_type() == dtype,
+              where + " must be " + c10::toString(dtype) + ", got " + c10::toString(t.scalar_type()));
+  TORCH_CHECK(t.is_contiguous(), where + " must be contiguous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 || dtype == at::kHalf || dtype == at::kBFloat16,
+              where + " must be 16-byte aligned");
+}
+
+OutType out_type(at::ScalarType t, const char* op) {
+  TORCH_CHECK(t == at::kHalf || t == at::kBFloat16,
+              std::string("kbit::") + op + ": the output dtype must be float16 or bfloat16, got " + c10::toString(t));
+  return t == at::kHalf ? OutType::kHalf : OutType::kBFloat16;
+}
+
+void check_weight(const char* op, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
+                  int64_t bits, int64_t n, int64_t k, int64_t w_exp, const at::Tensor& ref) {
+  const std::string o = std::string("kbit::") + op + ": ";
+  TORCH_CHECK(bits >= 2 && bits <= 5, o + "bits must be 2, 3, 4 or 5, got " + str(bits));
+  TORCH_CHECK(n > 0 && n < (int64_t(1) << 31), o + "n must be positive, got " + str(n));
+  TORCH_CHECK(k > 0 && k % 32 == 0 && k < (int64_t(1) << 31), o + "k = " + str(k) + " must be a positive multiple of 32");
+  TORCH_CHECK(w_exp >= min_weight_exp() && w_exp <= max_weight_exp(),
+              o + "w_exp = " + str(w_exp) + " is outside " + str(min_weight_exp()) + ".." + str(max_weight_exp()) +
+                  " (vllm_kbit.fp8_act.weight_exponent computes it)");
+  check_dense(packed, op, "packed", at::kInt, ref);
+  check_dense(absmax, op, "absmax", at::kByte, ref);
+  check_dense(codebook, op, "codebook", at::kFloat, ref);
+  const int64_t units = ((n + 63) / 64) * ((k + 63) / 64);
+  TORCH_CHECK(packed.numel() == units * bits * 128, o + "packed has " + str(packed.numel()) + " words, the tiled layout of " +
+              str(n) + "x" + str(k) + " at bits=" + str(bits) + " has " + str(units * bits * 128) +
+              " (pass the output of kbit::repack)");
+  TORCH_CHECK(absmax.numel() == units * 128, o + "absmax has " + str(absmax.numel()) + " bytes, expected " +
+              str(units * 128) + " (pass the output of kbit::repack)");
+  TORCH_CHECK(codebook.numel() == (int64_t(1) << bits), o + "codebook has " + str(codebook.numel()) + " entries, bits=" +
+              str(bits) + " needs " + str(int64_t(1) << bits));
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_act_fp8(const at::Tensor& x, int64_t bits) {
+  TORCH_CHECK(bits >= 2 && bits <= 5, "kbit::quantize_act_fp8: bits must be 2, 3, 4 or 5, got " + str(bits));
+  TORCH_CHECK(x.dim() == 2, "kbit::quantize_act_fp8: x must be 2-D [M, K]");
+  check_dense(x, "quantize_act_fp8", "x", x.scalar_type(), x);
+  const OutType dt = out_type(x.scalar_type(), "quantize_act_fp8");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k > 0 && k % 32 == 0, "kbit::quantize_act_fp8: x has " + str(k) + " columns, not a positive multiple of 32");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "kbit::quantize_act_fp8: x must be 16-byte aligned");
+  TORCH_CHECK(m < (int64_t(1) << 31), "kbit::quantize_act_fp8: too many rows");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor scale = at::empty({m}, x.options().dtype(at::kFloat));
+  if (m == 0) return {xq, scale};
+  TORCH_CHECK(quantize_supported(), "kbit::quantize_act_fp8: needs a build with TORCH_CUDA_ARCH_LIST containing 9.0a "
+              "and a compute capability 9.0 GPU");
+  check_cuda(launch_quantize_act(dt, x.data_ptr(), static_cast<uint8_t*>(xq.data_ptr()), scale.data_ptr<float>(), int(m),
+                                 int(k), int(bits), at::cuda::getCurrentCUDAStream()),
+             "quantize_act_fp8");
+  return {xq, scale};
+}
+
+at::Tensor gemm_fp8_quantized(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& packed,
+                              const at::Tensor& absmax, const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
+                              int64_t w_exp, at::ScalarType dtype, const c10::optional<at::Tensor>& bias,
+                              int64_t tile_m, int64_t tile_n) {
+  const char* op = "gemm_fp8";
+  const OutType dt = out_type(dtype, op);
+  TORCH_CHECK(xq.dim() == 2 && xq.size(1) == k, "kbit::gemm_fp8: x_q must be [M, k = " + str(k) + "]");
+  check_dense(xq, op, "x_q", at::kFloat8_e4m3fn, xq);
+  check_dense(x_scale, op, "x_scale", at::kFloat, xq);
+  TORCH_CHECK(x_scale.numel() == xq.size(0), "kbit::gemm_fp8: x_scale has " + str(x_scale.numel()) +
+              " entries, x_q has " + str(xq.size(0)) + " rows");
+  TORCH_CHECK(xq.size(0) < (int64_t(1) << 31), "kbit::gemm_fp8: too many rows");
+  check_weight(op, packed, absmax, codebook, bits, n, k, w_exp, xq);
+  {
+    const int64_t tm = tile_m == 0 && tile_n != 0 ? 128 : tile_m, tn = tile_n == 0 && tile_m != 0 ? 128 : tile_n;
+    const bool ok = (tm == 0 && tn == 0) || (tn == 128 && (tm == 64 || tm == 128 || tm == 256)) || (tn == 256 && tm == 128);
+    TORCH_CHECK(ok, "kbit::gemm_fp8: the tile (tile_m " + str(tile_m) + ", tile_n " + str(tile_n) +
+                ") is not one of 64x128, 128x128, 256x128, 128x256 (or 0, 0: the kernel's choice)");
+  }
+  const at::Tensor* b = bias.has_value() && bias->defined() ? &*bias : nullptr;
+  if (b != nullptr) {
+    check_dense(*b, op, "bias", dtype, xq);
+    TORCH_CHECK(b->numel() == n, "kbit::gemm_fp8: bias has " + str(b->numel()) + " elements, expected n = " + str(n));
+  }
+  const c10::cuda::CUDAGuard guard(xq.device());
+  at::Tensor y = at::empty({xq.size(0), n}, xq.options().dtype(dtype));
+  if (xq.size(0) == 0) return y;
+  TORCH_CHECK(gemm_supported(), "kbit::gemm_fp8: needs a build with TORCH_CUDA_ARCH_LIST containing 9.0a and a "
+              "compute capability 9.0 GPU");
+  GemmArgs a;
+  a.xq = static_cast<const uint8_t*>(xq.data_ptr());
+  a.x_scale = x_scale.data_ptr<float>();
+  a.packed = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
+  a.absmax = absmax.data_ptr<uint8_t>();
+  a.codebook = codebook.data_ptr<float>();
+  a.bias = b != nullptr ? b->data_ptr() : nullptr;
+  a.y = y.data_ptr();
+  a.m = int(xq.size(0)); a.n = int(n); a.k = int(k); a.bits = int(bits); a.w_exp = int(w_exp);
+  a.dtype = dt;
+  const int sms = at::cuda::getDeviceProperties(xq.device().index())->multiProcessorCount;
+  check_cuda(launch_gemm(a, int(tile_m), int(tile_n), sms, at::cuda::getCurrentCUDAStream()), op);
+  return y;
+}
+
+at::Tensor gemm_fp8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
+                    int64_t bits, int64_t n, int64_t k, int64_t w_exp, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "kbit::gemm_fp8: x must be [M, k = " + str(k) + "]");
+  check_weight("gemm_fp8", packed, absmax, codebook, bits, n, k, w_exp, x);
+  const auto [xq, scale] = quantize_act_fp8(x, bits);
+  return gemm_fp8_quantized(xq, scale, packed, absmax, codebook, bits, n, k, w_exp, x.scalar_type(), bias, 0, 0);
+}
+
+}  // namespace
+}  // namespace fp8
+}  // namespace kbit
+
+TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
+  m.impl("quantize_act_fp8", &kbit::fp8::quantize_act_fp8);
+  m.impl("gemm_fp8", &kbit::fp8::gemm_fp8);
+  m.impl("gemm_fp8_quantized", &kbit::fp8::gemm_fp8_quantized);
+}

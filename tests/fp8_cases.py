@@ -1,0 +1,87 @@
+"""Shared checks of the FP8-activation kbit GEMM (test_fp8_gpu.py, sanitize_fp8.py).
+
+Weights are random codebook indices and E4M4 codes in the checkpoint layout, tiled by
+kbit::repack. The kernel's activation quantizer must match fp8_act.quantize_act bit for bit;
+the GEMM is checked against fp8_act's float64 function of the same e4m3 operands, per element:
+|y - ref| <= 2^-12 * sum_k |x_q w_q| * s_x 2^-r (the fp32 accumulation, generously) plus the
+output's rounding. One wrong 32-block moves an element by ~|x_q w_q| * sqrt(32), far beyond
+the first term for the K used here (bound_catches_one_block checks that on each case).
+"""
+import torch
+
+from vllm_kbit import format as kf
+from vllm_kbit import fp8_act
+
+ACC_EPS = 2.0 ** -12
+OUT_EPS = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+
+
+def random_weight(n, k, bits, seed, codes=(0x70, 0xA0)):
+    """(qweight, absmax codes) in the checkpoint layout, (packed, absmax) tiled, codebook."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    idx = torch.randint(0, 1 << bits, (n, k), generator=g, device="cuda").to(torch.uint8)
+    e4m4 = torch.randint(codes[0], codes[1], (n, k // 32), generator=g, device="cuda").to(torch.uint8)
+    qweight = kf.pack_bitplanes(idx, bits)
+    packed, absmax = torch.ops.kbit.repack(qweight, e4m4, bits)
+    return qweight, e4m4, packed, absmax, kf.normal_float_codebook(bits, "cuda")
+
+
+def poison(rows, cols, dtype):
+    """NaN-fill the block the op's next output of this size will be allocated from."""
+    p = torch.full((rows, cols), float("nan"), dtype=dtype, device="cuda")
+    del p
+
+
+def reference(xq, scale, qweight, e4m4, cb, bits, w_exp, bias):
+    """(ref float64, bound float64) for the kernel's x_q and s_x."""
+    xn = fp8_act.unpermute(xq, bits)
+    w_q = fp8_act.weight_e4m3(qweight, e4m4, bits, cb, w_exp)
+    ref = fp8_act.gemm_from_quantized(xn, scale, w_q, w_exp, bias, torch.float64)
+    mag = (xn.double().abs() @ w_q.double().abs().t()) * scale.double().unsqueeze(1) * 2.0 ** -w_exp
+    return ref, xn, w_q, mag
+
+
+def within(y, ref, mag, dtype):
+    err = (y.double() - ref).abs()
+    bound = ACC_EPS * mag + OUT_EPS[dtype] * ref.abs() * 1.001 + 1e-30
+    return err <= bound, err, bound
+
+
+def check(m, n, k, bits, dtype, bias=False, tile=(0, 0), x_scale=1.0, seed=0, fused=True):
+    """Quantizer bit for bit, GEMM per element; returns y."""
+    qweight, e4m4, packed, absmax, cb = random_weight(n, k, bits, 1000 * bits + n + 7 * k + seed)
+    w_exp = fp8_act.weight_exponent(e4m4)
+    b = (torch.randn(n, device="cuda") * 0.5).to(dtype) if bias else None
+    x = (torch.randn(m, k, device="cuda") * x_scale).to(dtype)
+    where = f"m={m} n={n} k={k} bits={bits} {dtype} bias={bias} tile={tile}"
+
+    xq, scale = torch.ops.kbit.quantize_act_fp8(x, bits)
+    xq_ref, scale_ref = fp8_act.quantize_act(x, bits)
+    assert torch.equal(scale, scale_ref), f"s_x differs from the reference {where}"
+    mism = (xq.view(torch.uint8) != xq_ref.view(torch.uint8)).sum().item()
+    assert mism == 0, f"{mism} x_q bytes differ from the reference {where}"
+
+    poison(m, n, dtype)
+    y = torch.ops.kbit.gemm_fp8_quantized(xq, scale, packed, absmax, cb, bits, n, k, w_exp, dtype, b, *tile)
+    assert torch.isfinite(y).all(), f"non-finite output (unwritten?) {where}"
+    ref, xn, w_q, mag = reference(xq, scale, qweight, e4m4, cb, bits, w_exp, b)
+    ok, err, bound = within(y, ref, mag, dtype)
+    if not ok.all():
+        i = int((~ok).nonzero()[0, 0]), int((~ok).nonzero()[0, 1])
+        raise AssertionError(f"{int((~ok).sum())} elements off {where}; first {i}: y={y[i].item()} "
+                             f"ref={ref[i].item()} err={err[i].item():.3e} bound={bound[i].item():.3e}")
+    if fused:
+        poison(m, n, dtype)
+        y2 = torch.ops.kbit.gemm_fp8(x, packed, absmax, cb, bits, n, k, w_exp, b)
+        if tile == (0, 0):
+            assert torch.equal(y, y2), f"gemm_fp8 differs from quantize + gemm_fp8_quantized {where}"
+        else:
+            assert torch.isfinite(y2).all() and within(y2, ref, mag, dtype)[0].all(), f"gemm_fp8 off {where}"
+    # the bound is tight enough to see one wrong block: negate one block of one weight row
+    wb = w_q.double().clone()
+    wb[n // 2, 32 * ((k // 32) // 2): 32 * ((k // 32) // 2) + 32] *= -1
+    bad = (xn.double() @ wb.t()) * scale.double().unsqueeze(1) * 2.0 ** -w_exp
+    if b is not None:
+        bad = bad + b.double()
+    assert not within(bad.to(dtype), ref, mag, dtype)[0][:, n // 2].all(), f"bound blind to one wrong block {where}"
+    return y

@@ -1,0 +1,87 @@
+"""FP8-activation kbit GEMM (csrc/wgmma_fp8/, Hopper sm_90a) on the GPU: kbit::quantize_act_fp8,
+kbit::gemm_fp8_quantized (each CTA tile forced, and the kernel's choice) and kbit::gemm_fp8,
+against vllm_kbit/fp8_act.py's float64 function of the same e4m3 operands (tests/fp8_cases.py:
+the quantizer bit for bit, the GEMM per element within the fp32-accumulation bound, outputs
+NaN-poisoned first). Every K x output dtype x tile, odd M, N not a multiple of the column tile,
+K with an odd count of 64-k units. Skips off Hopper or on a build without 9.0a.
+"""
+import pytest
+import torch
+
+import gemm_cases
+from fp8_cases import check, random_weight
+from vllm_kbit import fp8_act
+
+pytestmark = pytest.mark.gpu
+
+if not gemm_cases.have("has_wgmma"):
+    pytest.skip("needs an sm_90 GPU and vllm_kbit._C built for 9.0a", allow_module_level=True)
+
+BITS = [2, 3, 4, 5]
+DTYPES = [torch.float16, torch.bfloat16]
+TILES = [(64, 128), (128, 128), (256, 128), (128, 256)]  # the CTA tiles, tokens x columns
+SHAPES = [  # m, n, k
+    (17, 200, 320),      # one partial token tile, a slab past N, 5 k-units (odd: last K-tile half empty)
+    (100, 1000, 2080),   # K % 64 == 32
+    (257, 136, 4096),    # three token tiles at 128, a partial second column group (and slabs past N)
+    (1000, 520, 1024),
+]
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gemm_fp8(bits, dtype, tile, shape):
+    m, n, k = shape
+    check(m, n, k, bits, dtype, bias=(m % 2 == 1), tile=tile)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_fp8_kernel_choice(bits, dtype):
+    for m in (64, 1024, 2200):  # the kernel's choice on 132 SMs: 64 x 128, 128 x 128, 128 x 256
+        check(m, 4096, 1024, bits, dtype, bias=True, seed=m)
+
+
+def test_scales_and_zero_rows():
+    # rows of very different magnitude and an all-zero row: per-token scales, no 0 / 0
+    x_scale = torch.logspace(-6, 3, 33, device="cuda").unsqueeze(1)
+    for dtype in DTYPES:
+        y = check(33, 264, 512, 4, dtype, x_scale=x_scale)
+        assert torch.isfinite(y).all()
+    x = torch.zeros(5, 256, device="cuda", dtype=torch.float16)
+    x[1] = torch.randn(256, device="cuda").half() * 1e-3
+    xq, s = torch.ops.kbit.quantize_act_fp8(x, 3)
+    xq_ref, s_ref = fp8_act.quantize_act(x, 3)
+    assert torch.equal(s, s_ref) and torch.equal(xq.view(torch.uint8), xq_ref.view(torch.uint8))
+    assert (xq[0].view(torch.uint8) == 0).all()
+
+
+def test_cuda_graph():
+    n, k, bits = 520, 2048, 4
+    qweight, e4m4, packed, absmax, cb = random_weight(n, k, bits, 7)
+    w_exp = fp8_act.weight_exponent(e4m4)
+    x = torch.randn(200, k, device="cuda").half()
+    graph, y = gemm_cases.capture_graph(lambda: torch.ops.kbit.gemm_fp8(x, packed, absmax, cb, bits, n, k, w_exp))
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        gemm_cases.replay_poisoned(graph, y)
+        assert torch.equal(y, torch.ops.kbit.gemm_fp8(x, packed, absmax, cb, bits, n, k, w_exp))
+
+
+def test_errors():
+    n, k, bits = 128, 256, 4
+    _, e4m4, packed, absmax, cb = random_weight(n, k, bits, 3)
+    x = torch.randn(8, k, device="cuda").half()
+    with pytest.raises(RuntimeError, match="w_exp"):
+        torch.ops.kbit.gemm_fp8(x, packed, absmax, cb, bits, n, k, fp8_act.MAX_WEIGHT_EXP + 1)
+    with pytest.raises(RuntimeError, match="packed"):
+        torch.ops.kbit.gemm_fp8(x, packed[:-1], absmax, cb, bits, n, k, 0)
+    xq, s = torch.ops.kbit.quantize_act_fp8(x, bits)
+    with pytest.raises(RuntimeError, match="x_q"):
+        torch.ops.kbit.gemm_fp8_quantized(xq.view(torch.uint8), s, packed, absmax, cb, bits, n, k, 0, torch.float16)
+    with pytest.raises(RuntimeError, match="tile"):
+        torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, bits, n, k, 0, torch.float16, None, 96)
+    with pytest.raises(RuntimeError, match="tile"):
+        torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, bits, n, k, 0, torch.float16, None, 256, 256)
