@@ -50,11 +50,17 @@ struct MoeKey {
   DType dtype = DType::kHalf;
 };
 
-// repack/dequantize.cu: dequantize_kernel<T, bits, stacked>.
+// repack/dequant_kernel.cuh: dequant_kernel<T, bits, stacked>.
 struct DequantKey {
   int bits = 4;
   DType dtype = DType::kHalf;  // of the output: f16, bf16 or f32
   bool stacked = false;        // experts [E, n, k] in one launch
+};
+
+// repack/quant_kernel.cuh: quantize_kernel<T, bits>.
+struct QuantKey {
+  int bits = 4;
+  DType dtype = DType::kHalf;  // of the input W: f16, bf16 or f32
 };
 
 inline std::string describe(const GemvKey& k) {
@@ -82,6 +88,11 @@ inline std::string describe(const MoeKey& k) {
 inline std::string describe(const DequantKey& k) {
   char s[64];
   std::snprintf(s, sizeof s, "dequantize<K%d,%s%s>", k.bits, dtype_name(k.dtype), k.stacked ? ",stacked" : "");
+  return s;
+}
+inline std::string describe(const QuantKey& k) {
+  char s[48];
+  std::snprintf(s, sizeof s, "quantize<K%d,%s>", k.bits, dtype_name(k.dtype));
   return s;
 }
 
