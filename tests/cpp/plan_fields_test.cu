@@ -37,13 +37,13 @@ int main() {
   print("gemv", describe(forced.key), gemv_plan_fields(forced, t.cluster_capacity));
   // mma.sync: the cost model's plans and a forced config
   for (const int m : {64, 600}) {
-    const MmaPlan p = mma::plan_for_overrides(m, 4096, 14336, 4, DType::kBFloat16, kSms, MmaOverrides{});
+    const MmaPlan p = mma::plan_for_overrides(kH200Heuristics, m, 4096, 14336, 4, DType::kBFloat16, kSms, MmaOverrides{});
     print("mma", describe(p.key), mma_plan_fields(p));
   }
   MmaOverrides cfg0;
   cfg0.config = 0;
   cfg0.splits = 3;
-  const MmaPlan pm = mma::plan_for_overrides(20, 6144, 4096, 2, DType::kHalf, kSms, cfg0);
+  const MmaPlan pm = mma::plan_for_overrides(kH200Heuristics, 20, 6144, 4096, 2, DType::kHalf, kSms, cfg0);
   print("mma", describe(pm.key), mma_plan_fields(pm));
   // wgmma: one CTA per SM at 128 / 256 tokens, two below; clusters up to 16 wherever asked
   wg::Occupancy one, two;
