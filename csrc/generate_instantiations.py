@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the kernel instantiations and their key -> kernel selectors (as vLLM's Marlin generator
-writes its kernel_selector.h): for each family (GEMV, mma.sync, wgmma, MoE GEMV, dequantize,
-quantize) and bit width, csrc/<dir>/instantiations/<family>_k<BITS>.cu defines
+writes its kernel_selector.h): for each family (GEMV, mma.sync, wgmma, MoE GEMV, FP8-activation
+GEMM, dequantize, quantize) and bit width, csrc/<dir>/instantiations/<family>_k<BITS>.cu defines
 one selector entry per compiled kernel (kernel_entry<...>(): its launch and what the planner
 needs to know of it), and csrc/<dir>/<family>_kernels.h declares every entry and maps a key
 (core/kernel_keys.h) to its entry. The lists below are the kernels the planners can name; a key no entry matches gets
@@ -84,6 +84,14 @@ def dequant_family(bits):
         yield ("stacked" if stacked else "rows"), lambda t, st=stacked: f"{bits}, {t}, {b(st)}", f"k.stacked == {b(stacked)}"
 
 
+FP8_TILES = ((64, 128), (128, 128), (256, 128), (128, 256))  # (tokens, columns) per CTA, fp8_kernel.cuh
+
+
+def fp8_family(bits):
+    for mt, cn in FP8_TILES:
+        yield f"mt{mt}_cn{cn}", lambda t, a=(mt, cn): f"{bits}, {a[0]}, {a[1]}, {t}", f"k.tile_m == {mt} && k.tile_n == {cn}"
+
+
 def quant_family(bits):
     yield "quantize", lambda t: f"{bits}, {t}", "true"
 
@@ -98,6 +106,8 @@ PARTS = {
               "wgmma kernels (sm_90a)", "wgmma", DTYPES),
     "moe": ("moe/moe_gemv_kernel.cuh", "moe/moe_config.h", "moe", "MoeKernel", "MoeKey", moe_family,
             "MoE expert GEMV kernels", "moe", DTYPES),
+    "fp8": ("wgmma_fp8/fp8_kernel.cuh", "wgmma_fp8/fp8_config.h", "fp8", "Fp8Kernel", "Fp8Key", fp8_family,
+            "FP8-activation GEMM kernels (sm_90a)", "wgmma_fp8", DTYPES),
     "dequant": ("repack/dequant_kernel.cuh", "repack/repack_config.h", "repack", "DequantKernel", "DequantKey",
                 dequant_family, "dequantize kernels (rows and stacked experts)", "repack", DTYPES_F32),
     "quant": ("repack/quant_kernel.cuh", "repack/repack_config.h", "repack", "QuantKernel", "QuantKey",

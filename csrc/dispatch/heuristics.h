@@ -1,7 +1,7 @@
 // The tuned numbers of the launch plans and the path rule, one table per GPU, chosen from the
-// device's properties. The path rule and the GEMV, mma.sync and wgmma plans (path_rule.h,
-// gemv_plan.h, mma_plan.h, wgmma_plan.h) read every tuned threshold and cost from a Heuristics;
-// the rules themselves stay in the planners.
+// device's properties. The path rule and the GEMV, mma.sync, wgmma and FP8 GEMM plans
+// (path_rule.h, gemv_plan.h, mma_plan.h, wgmma_plan.h, fp8_plan.h) read every tuned threshold
+// and cost from a Heuristics; the rules themselves stay in the planners.
 // A new GPU is a new table here (and a line in choose_heuristics), not a code change.
 // Host code only, torch-free, no CUDA headers: the CPU replays in tests/cpp use the tables as
 // they are, and the Python tests read this file (tests/heuristics_tables.py).
@@ -49,21 +49,24 @@ struct Heuristics {
   double mma_split_margin;       // a split must beat whole-K tiles by this factor
   int mma_small_max_m;           // 32-row tiles up to this M, 128-row tiles above
   int mma_mid_max_m;             // 64-row tiles up to this M
+  // ---- FP8-activation GEMM plan (fp8_plan.h): a tile is taken where its CTAs fill this % of the SMs
+  int fp8_wide_fill_percent;     // 128 x 256 (the wide CTA, one per SM)
+  int fp8_tile128_fill_percent;  // else 128 x 128 (two per SM), else 64 x 128
 };
 
 // The H100 and H200 tables: the values the sweeps chose (docs/PERFORMANCE.md).
 constexpr Heuristics kH100Heuristics = {"h100", {4096, 4096, 3072, 1024}, {1023, 1023, 1023, 512}, 512,
                                         4, 0.9, 8, 3, 0.9, 80,
                                         16, 40, 40, 192, 88, 30, 3, 9, 48,
-                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256};
+                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256, 100, 100};
 constexpr Heuristics kH200Heuristics = {"h200", {4096, 4096, 3072, 1024}, {1023, 1023, 1023, 512}, 512,
                                         4, 0.9, 8, 3, 0.9, 80,
                                         16, 40, 40, 192, 88, 30, 3, 9, 48,
-                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256};
+                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256, 100, 100};
 constexpr Heuristics kGenericHeuristics = {"generic", {4096, 4096, 3072, 1024}, {1023, 1023, 1023, 512}, 512,
                                            4, 0.9, 8, 3, 0.9, 80,
                                            16, 40, 40, 192, 88, 30, 3, 9, 48,
-                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256};
+                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256, 100, 100};
 
 // What the choice reads of a device (cudaDeviceProp's fields of the same meaning).
 struct DeviceFacts {
@@ -83,5 +86,8 @@ inline const Heuristics& choose_heuristics(const DeviceFacts& d) {
   }
   return kGenericHeuristics;
 }
+
+// The current device's table, chosen once per device (dispatch/device_heuristics.cu).
+const Heuristics& device_heuristics();
 
 }  // namespace kbit
