@@ -19,6 +19,8 @@
 #include <tuple>
 #include <vector>
 
+#include "dispatch/fp8_plan.h"
+#include "dispatch/heuristics.h"
 #include "dispatch/overrides.h"
 #include "dispatch/plan_fields.h"
 #include "wgmma_fp8/fp8_launch.h"
@@ -134,8 +136,8 @@ at::Tensor gemm_fp8_quantized(const at::Tensor& xq, const at::Tensor& x_scale, c
   a.m = int(xq.size(0)); a.n = int(n); a.k = int(k); a.bits = int(bits); a.w_exp = int(w_exp);
   a.dtype = dt;
   const int sms = at::cuda::getDeviceProperties(xq.device().index())->multiProcessorCount;
-  const Fp8Plan plan = plan_gemm(dt, a.m, a.n, a.bits, sms, o);
-  check_cuda(launch_gemm(plan, a, at::cuda::getCurrentCUDAStream()), op);
+  const Fp8Plan p = plan(device_heuristics(), a.m, a.n, a.bits, dt, sms, o);
+  check_cuda(launch_gemm(p.key, a, at::cuda::getCurrentCUDAStream()), op);
   return y;
 }
 
@@ -157,7 +159,7 @@ std::vector<int64_t> fp8_plan(int64_t m, int64_t n, int64_t k, int64_t bits, at:
   const DType dt = out_type(dtype, "fp8_plan");
   const Fp8Overrides o = fp8_overrides(overrides, "fp8_plan");
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return field_values(fp8_plan_fields(plan_gemm(dt, int(m), int(n), int(bits), sms, o)));
+  return field_values(fp8_plan_fields(plan(device_heuristics(), int(m), int(n), int(bits), dt, sms, o)));
 }
 
 // Whether this build and device run the FP8 GEMM and its activation quantizer.

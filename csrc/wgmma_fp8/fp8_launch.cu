@@ -1,10 +1,9 @@
 // Host entry points of the FP8-activation kbit GEMM (declared in wgmma_fp8/fp8_launch.h): what
-// this build and device support, the plan on the device's table, the activation quantizer's
-// launch, and the launch of the kernel a plan's key names (fp8_kernels.h, generated: the
-// instantiations are wgmma_fp8/instantiations/fp8_k<BITS>.cu).
+// this build and device support, the activation quantizer's launch, and the launch of the kernel
+// a key names (fp8_kernels.h, generated: the instantiations are
+// wgmma_fp8/instantiations/fp8_k<BITS>.cu).
 #include <cuda_runtime.h>
 
-#include "dispatch/heuristics.h"
 #include "wgmma_fp8/fp8_kernel.cuh"
 #include "wgmma_fp8/fp8_kernels.h"
 #include "wgmma_fp8/fp8_launch.h"
@@ -37,10 +36,6 @@ bool quantize_supported() { return gemm_supported(); }
 int max_weight_exp() { return kMaxWeightExp; }
 int min_weight_exp() { return kMinWeightExp; }
 
-Fp8Plan plan_gemm(DType dtype, int m, int n, int bits, int num_sms, const Fp8Overrides& o) {
-  return plan(device_heuristics(), m, n, bits, dtype, num_sms, o);
-}
-
 cudaError_t launch_quantize_act(DType dtype, const void* x, uint8_t* xq, float* scale, int m, int k, int bits,
                                 cudaStream_t stream) {
   if (m < 1 || k < 32 || k % 32 != 0 || bits < 2 || bits > 5) return cudaErrorInvalidValue;
@@ -58,14 +53,14 @@ cudaError_t launch_quantize_act(DType dtype, const void* x, uint8_t* xq, float* 
   return cudaGetLastError();
 }
 
-cudaError_t launch_gemm(const Fp8Plan& plan, const GemmArgs& a, cudaStream_t stream) {
+cudaError_t launch_gemm(const Fp8Key& key, const GemmArgs& a, cudaStream_t stream) {
   if (a.m < 1 || a.n < 1 || a.k < 32 || a.k % 32 != 0 || a.bits < 2 || a.bits > 5) return cudaErrorInvalidValue;
   if (a.w_exp > kMaxWeightExp || a.w_exp < kMinWeightExp) return cudaErrorInvalidValue;
-  if (plan.key.bits != a.bits || plan.key.dtype != a.dtype) return cudaErrorInvalidValue;
+  if (key.bits != a.bits || key.dtype != a.dtype) return cudaErrorInvalidValue;
   const auto misaligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) != 0; };
   if (misaligned(a.xq) || misaligned(a.packed) || misaligned(a.absmax)) return cudaErrorInvalidValue;
   if (!gemm_supported()) return cudaErrorNotSupported;
-  const Fp8Kernel* kernel = select_kernel(plan.key);
+  const Fp8Kernel* kernel = select_kernel(key);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   Params p;
   p.x_scale = a.x_scale; p.packed = a.packed; p.absmax = a.absmax; p.codebook = a.codebook;

@@ -1,14 +1,13 @@
-// Host entry points of the FP8-activation kbit GEMM (wgmma_fp8/fp8_kernel.cuh), torch-free: the
-// plan (dispatch/fp8_plan.h) on the current device, and launchers that launch the kernel a plan's
-// key names (fp8_kernels.h, generated), deciding nothing.
+// Host entry points of the FP8-activation kbit GEMM (wgmma_fp8/fp8_kernel.cuh), torch-free:
+// launchers that launch the kernel a key names (fp8_kernels.h, generated), deciding nothing. The
+// key comes from the plan (dispatch/fp8_plan.h), which the binding makes.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "core/device.h"
-#include "dispatch/fp8_plan.h"
-#include "dispatch/overrides.h"
+#include "core/kernel_keys.h"
 
 namespace kbit {
 namespace fp8 {
@@ -17,10 +16,6 @@ namespace fp8 {
 // 9.0) and the activation quantizer (e4m3 conversions: compute capability 8.9 or newer).
 bool gemm_supported();
 bool quantize_supported();
-
-// The plan for y [m, n] of `dtype` (fp16 / bf16) on the current device's table, naming the kernel
-// (plan.key); the overrides force the tile.
-Fp8Plan plan_gemm(DType dtype, int m, int n, int bits, int num_sms, const Fp8Overrides& o);
 
 // x [m, k] (fp16 / bf16, 16 B aligned, k % 32 == 0) -> xq [m, k] e4m3 in the GEMM's k order for
 // `bits`, scale [m] fp32.
@@ -38,9 +33,9 @@ struct GemmArgs {
   int m, n, k, bits, w_exp;
   DType dtype;              // of y and bias: kHalf or kBFloat16
 };
-// Launches the kernel plan.key names (cudaErrorInvalidValue where the key does not match the
-// operands or names no compiled kernel).
-cudaError_t launch_gemm(const Fp8Plan& plan, const GemmArgs& a, cudaStream_t stream);
+// Launches the kernel `key` names on its grid (cudaErrorInvalidValue where the key does not
+// match the operands or names no compiled kernel).
+cudaError_t launch_gemm(const Fp8Key& key, const GemmArgs& a, cudaStream_t stream);
 
 // The largest / smallest weight exponent r the kernel takes (the pair table stays finite in fp16).
 int max_weight_exp();
