@@ -99,7 +99,8 @@ def main():
             for tile in filter(None, args.tiles.split(",")):
                 tm, tn = (int(v) for v in tile.split("x"))
                 t[f"K=4 gemm {tile}"] = timer(
-                    lambda: torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, 4, n, k, r, dt, None, tm, tn))
+                    lambda: torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, 4, n, k, r, dt, None,
+                                                              f"fp8.tile_m={tm},fp8.tile_n={tn}"))
             t["fp8-quant"] = timer(lambda: torch.ops.kbit.quantize_act_fp8(x, 4))
             t["scaled_mm"] = timer(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=dt))
             if vops is not None:

@@ -31,11 +31,12 @@ import sys
 import torch
 
 import peers as pe
+from vllm_kbit.ops import Path
 
 SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]  # N x K
 QUICK_SHAPES = [(4096, 4096), (57344, 8192)]
 MS = [1, 4, 16, 64, 256, 1024, 4096]
-PATHS = {"auto": 0, "gemv": 1, "mma": 2, "dequant": 3, "wgmma": 4}
+PATH_NAMES = [p.name.lower() for p in Path]  # --path / --also-paths spell ops.Path in lower case
 DT = torch.float16
 
 
@@ -124,7 +125,7 @@ def git_commit():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="two shapes, M <= 64")
-    ap.add_argument("--path", default="auto", choices=list(PATHS), help="force the kbit path")
+    ap.add_argument("--path", default="auto", choices=PATH_NAMES, help="force the kbit path")
     ap.add_argument("--bits", default="2,3,4,5")
     ap.add_argument("--ms", default=None, help="comma list of M (default: all)")
     ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,57344x8192 (N x K)")
@@ -191,13 +192,13 @@ def main():
         extra = {"overrides": args.overrides} if args.overrides else {}
         for n, k in shapes:
             for bits in bits_list:
-                run, wb = kbit_method(n, k, bits, PATHS[sweep_path], 0, args.overrides)
+                run, wb = kbit_method(n, k, bits, Path[sweep_path.upper()], 0, args.overrides)
                 for m in (ms if sweep_path == "wgmma" else (1, 16)):
                     x = torch.randn(m, k, dtype=DT, device="cuda")
-                    record(n, k, m, f"kbit{bits}-{sweep_path}-auto", timer(lambda: run(x, PATHS[sweep_path], 0)), wb,
+                    record(n, k, m, f"kbit{bits}-{sweep_path}-auto", timer(lambda: run(x, Path[sweep_path.upper()], 0)), wb,
                            bits=bits, splits=0, kernel=run.kernel_at(m, 0), **extra)
                     for sp in range(1, 17 if sweep_path == "wgmma" else 9):
-                        record(n, k, m, f"kbit{bits}-{sweep_path}-s{sp}", timer(lambda: run(x, PATHS[sweep_path], sp)),
+                        record(n, k, m, f"kbit{bits}-{sweep_path}-s{sp}", timer(lambda: run(x, Path[sweep_path.upper()], sp)),
                                wb, bits=bits, splits=sp, kernel=run.kernel_at(m, sp), **extra)
                 del run
                 torch.cuda.empty_cache()
@@ -214,9 +215,9 @@ def main():
         for n, k in shapes:
             methods = []
             for bits in bits_list:
-                methods.append((f"kbit{bits}", *kbit_method(n, k, bits, PATHS[args.path], 0, args.overrides), {"bits": bits}))
+                methods.append((f"kbit{bits}", *kbit_method(n, k, bits, Path[args.path.upper()], 0, args.overrides), {"bits": bits}))
                 for extra, max_m in extra_paths.items():
-                    methods.append((f"kbit{bits}-{extra}", *kbit_method(n, k, bits, PATHS[extra], 0, args.overrides),
+                    methods.append((f"kbit{bits}-{extra}", *kbit_method(n, k, bits, Path[extra.upper()], 0, args.overrides),
                                     {"bits": bits, **({"max_m": max_m} if max_m else {})}))
             if not args.no_baselines:
                 methods.append(("cublas-fp16", *pe.cublas_method(n, k), {}))

@@ -3,10 +3,13 @@
 //   kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the GEMM's k order, s_x [M] fp32)
 //   kbit::gemm_fp8(x, packed, absmax, codebook, bits, n, k, w_exp, bias?) -> y [M, n]
 //   kbit::gemm_fp8_quantized(x_q, s_x, packed, absmax, codebook, bits, n, k, w_exp, dtype,
-//                            bias?, tile_m, tile_n) -> y
-//       tile_m = tile_n = 0: the kernel's choice; else the CTA tile (tokens x columns) 64 x 128,
-//       128 x 128, 256 x 128 or 128 x 256 (a 0 stands for 128)
-// No host sync and a grid from shapes only: graph-capturable.
+//                            bias?, overrides="") -> y
+//       overrides: plan overrides (dispatch/overrides.h; fp8.tile_m / fp8.tile_n force the tile)
+// and the C++-only helper op
+//   kbit::fp8_plan(m, n, k, bits, dtype, overrides="") -> int[]: the plan's fields, its kernel's
+//       key first (dispatch/plan_fields.h; vllm_kbit.ops.fp8_plan names them)
+// One plan a call (dispatch/fp8_plan.h), the launch of the kernel its key names. No host sync and
+// a grid from shapes only: graph-capturable.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -14,7 +17,12 @@
 
 #include <string>
 #include <tuple>
+#include <vector>
 
+#include "dispatch/fp8_plan.h"
+#include "dispatch/heuristics.h"
+#include "dispatch/overrides.h"
+#include "dispatch/plan_fields.h"
 #include "wgmma_fp8/fp8_launch.h"
 
 namespace kbit {
@@ -37,10 +45,17 @@ void check_dense(const at::Tensor& t, const char* op, const char* name, at::Scal
               where + " must be 16-byte aligned");
 }
 
-OutType out_type(at::ScalarType t, const char* op) {
+DType out_type(at::ScalarType t, const char* op) {
   TORCH_CHECK(t == at::kHalf || t == at::kBFloat16,
               std::string("kbit::") + op + ": the output dtype must be float16 or bfloat16, got " + c10::toString(t));
-  return t == at::kHalf ? OutType::kHalf : OutType::kBFloat16;
+  return t == at::kHalf ? DType::kHalf : DType::kBFloat16;
+}
+
+Fp8Overrides fp8_overrides(c10::string_view text, const char* op) {
+  PlanOverrides o;
+  const std::string err = parse_overrides(std::string(text), &o);
+  TORCH_CHECK(err.empty(), std::string("kbit::") + op + ": " + err);
+  return o.fp8;
 }
 
 void check_weight(const char* op, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
@@ -69,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_act_fp8(const at::Tensor& x, int64_t
   TORCH_CHECK(bits >= 2 && bits <= 5, "kbit::quantize_act_fp8: bits must be 2, 3, 4 or 5, got " + str(bits));
   TORCH_CHECK(x.dim() == 2, "kbit::quantize_act_fp8: x must be 2-D [M, K]");
   check_dense(x, "quantize_act_fp8", "x", x.scalar_type(), x);
-  const OutType dt = out_type(x.scalar_type(), "quantize_act_fp8");
+  const DType dt = out_type(x.scalar_type(), "quantize_act_fp8");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k > 0 && k % 32 == 0, "kbit::quantize_act_fp8: x has " + str(k) + " columns, not a positive multiple of 32");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "kbit::quantize_act_fp8: x must be 16-byte aligned");
@@ -89,9 +104,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_act_fp8(const at::Tensor& x, int64_t
 at::Tensor gemm_fp8_quantized(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& packed,
                               const at::Tensor& absmax, const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
                               int64_t w_exp, at::ScalarType dtype, const c10::optional<at::Tensor>& bias,
-                              int64_t tile_m, int64_t tile_n) {
+                              c10::string_view overrides) {
   const char* op = "gemm_fp8";
-  const OutType dt = out_type(dtype, op);
+  const DType dt = out_type(dtype, op);
+  const Fp8Overrides o = fp8_overrides(overrides, "gemm_fp8_quantized");
   TORCH_CHECK(xq.dim() == 2 && xq.size(1) == k, "kbit::gemm_fp8: x_q must be [M, k = " + str(k) + "]");
   check_dense(xq, op, "x_q", at::kFloat8_e4m3fn, xq);
   check_dense(x_scale, op, "x_scale", at::kFloat, xq);
@@ -99,12 +115,6 @@ at::Tensor gemm_fp8_quantized(const at::Tensor& xq, const at::Tensor& x_scale, c
               " entries, x_q has " + str(xq.size(0)) + " rows");
   TORCH_CHECK(xq.size(0) < (int64_t(1) << 31), "kbit::gemm_fp8: too many rows");
   check_weight(op, packed, absmax, codebook, bits, n, k, w_exp, xq);
-  {
-    const int64_t tm = tile_m == 0 && tile_n != 0 ? 128 : tile_m, tn = tile_n == 0 && tile_m != 0 ? 128 : tile_n;
-    const bool ok = (tm == 0 && tn == 0) || (tn == 128 && (tm == 64 || tm == 128 || tm == 256)) || (tn == 256 && tm == 128);
-    TORCH_CHECK(ok, "kbit::gemm_fp8: the tile (tile_m " + str(tile_m) + ", tile_n " + str(tile_n) +
-                ") is not one of 64x128, 128x128, 256x128, 128x256 (or 0, 0: the kernel's choice)");
-  }
   const at::Tensor* b = bias.has_value() && bias->defined() ? &*bias : nullptr;
   if (b != nullptr) {
     check_dense(*b, op, "bias", dtype, xq);
@@ -126,7 +136,8 @@ at::Tensor gemm_fp8_quantized(const at::Tensor& xq, const at::Tensor& x_scale, c
   a.m = int(xq.size(0)); a.n = int(n); a.k = int(k); a.bits = int(bits); a.w_exp = int(w_exp);
   a.dtype = dt;
   const int sms = at::cuda::getDeviceProperties(xq.device().index())->multiProcessorCount;
-  check_cuda(launch_gemm(a, int(tile_m), int(tile_n), sms, at::cuda::getCurrentCUDAStream()), op);
+  const Fp8Plan p = plan(device_heuristics(), a.m, a.n, a.bits, dt, sms, o);
+  check_cuda(launch_gemm(p.key, a, at::cuda::getCurrentCUDAStream()), op);
   return y;
 }
 
@@ -135,12 +146,33 @@ at::Tensor gemm_fp8(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "kbit::gemm_fp8: x must be [M, k = " + str(k) + "]");
   check_weight("gemm_fp8", packed, absmax, codebook, bits, n, k, w_exp, x);
   const auto [xq, scale] = quantize_act_fp8(x, bits);
-  return gemm_fp8_quantized(xq, scale, packed, absmax, codebook, bits, n, k, w_exp, x.scalar_type(), bias, 0, 0);
+  return gemm_fp8_quantized(xq, scale, packed, absmax, codebook, bits, n, k, w_exp, x.scalar_type(), bias, "");
 }
+
+// The plan kbit::gemm_fp8_quantized(..., overrides) launches for this shape on the current device
+// (kbit::gemm_fp8's with no overrides), as the list of dispatch/plan_fields.h's fields.
+std::vector<int64_t> fp8_plan(int64_t m, int64_t n, int64_t k, int64_t bits, at::ScalarType dtype,
+                              c10::string_view overrides) {
+  TORCH_CHECK(bits >= 2 && bits <= 5, "kbit::fp8_plan: bits must be 2, 3, 4 or 5, got " + str(bits));
+  TORCH_CHECK(m > 0 && m < (int64_t(1) << 31) && n > 0 && n < (int64_t(1) << 31) && k > 0 && k % 32 == 0,
+              "kbit::fp8_plan: bad shape (m " + str(m) + ", n " + str(n) + ", k " + str(k) + ")");
+  const DType dt = out_type(dtype, "fp8_plan");
+  const Fp8Overrides o = fp8_overrides(overrides, "fp8_plan");
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return field_values(fp8_plan_fields(plan(device_heuristics(), int(m), int(n), int(bits), dt, sms, o)));
+}
+
+// Whether this build and device run the FP8 GEMM and its activation quantizer.
+bool has_fp8() { return gemm_supported() && quantize_supported(); }
 
 }  // namespace
 }  // namespace fp8
 }  // namespace kbit
+
+TORCH_LIBRARY_FRAGMENT(kbit, m) {
+  m.def("fp8_plan(int m, int n, int k, int bits, ScalarType dtype, str overrides=\"\") -> int[]", &kbit::fp8::fp8_plan);
+  m.def("has_fp8() -> bool", &kbit::fp8::has_fp8);
+}
 
 TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
   m.impl("quantize_act_fp8", &kbit::fp8::quantize_act_fp8);

@@ -11,6 +11,7 @@ import torch
 
 from vllm_kbit import format as kf
 from vllm_kbit import fp8_act
+from vllm_kbit import ops
 
 ACC_EPS = 2.0 ** -12
 OUT_EPS = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
@@ -47,8 +48,13 @@ def within(y, ref, mag, dtype):
     return err <= bound, err, bound
 
 
+def tile_overrides(tile):
+    """The plan overrides that force the CTA tile (tokens, columns); (0, 0): the plan's choice."""
+    return "" if tile == (0, 0) else ops.plan_overrides({"fp8.tile_m": tile[0], "fp8.tile_n": tile[1]})
+
+
 def check(m, n, k, bits, dtype, bias=False, tile=(0, 0), x_scale=1.0, seed=0, fused=True):
-    """Quantizer bit for bit, GEMM per element; returns y."""
+    """Quantizer bit for bit, GEMM per element (with the tile forced unless (0, 0)); returns y."""
     qweight, e4m4, packed, absmax, cb = random_weight(n, k, bits, 1000 * bits + n + 7 * k + seed)
     w_exp = fp8_act.weight_exponent(e4m4)
     b = (torch.randn(n, device="cuda") * 0.5).to(dtype) if bias else None
@@ -61,8 +67,12 @@ def check(m, n, k, bits, dtype, bias=False, tile=(0, 0), x_scale=1.0, seed=0, fu
     mism = (xq.view(torch.uint8) != xq_ref.view(torch.uint8)).sum().item()
     assert mism == 0, f"{mism} x_q bytes differ from the reference {where}"
 
+    overrides = tile_overrides(tile)
+    plan = ops.fp8_plan(m, n, k, bits, dtype, overrides)  # the kernel the call below runs
+    assert (plan.bits, plan.dtype) == (bits, 0 if dtype == torch.float16 else 1), (plan, where)
+    assert tile == (0, 0) or (plan.tile_m, plan.tile_n) == tile, (plan, where)
     poison(m, n, dtype)
-    y = torch.ops.kbit.gemm_fp8_quantized(xq, scale, packed, absmax, cb, bits, n, k, w_exp, dtype, b, *tile)
+    y = torch.ops.kbit.gemm_fp8_quantized(xq, scale, packed, absmax, cb, bits, n, k, w_exp, dtype, b, overrides)
     assert torch.isfinite(y).all(), f"non-finite output (unwritten?) {where}"
     ref, xn, w_q, mag = reference(xq, scale, qweight, e4m4, cb, bits, w_exp, b)
     ok, err, bound = within(y, ref, mag, dtype)

@@ -26,7 +26,7 @@ def tables():
             if tok.startswith('"'):
                 row[name] = tok.strip('"')
             elif tok.startswith("{"):
-                row[name] = [int(v) for v in tok.strip("{}").split(",")]
+                row[name] = [float(v) if "." in v else int(v) for v in tok.strip("{}").split(",")]
                 assert len(row[name]) == count, name
             else:
                 row[name] = float(tok) if "." in tok else int(tok)

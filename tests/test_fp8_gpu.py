@@ -1,5 +1,6 @@
 """FP8-activation kbit GEMM (csrc/wgmma_fp8/, Hopper sm_90a) on the GPU: kbit::quantize_act_fp8,
-kbit::gemm_fp8_quantized (each CTA tile forced, and the kernel's choice) and kbit::gemm_fp8,
+kbit::gemm_fp8_quantized (each CTA tile forced through the plan overrides fp8.tile_m / fp8.tile_n,
+and the plan's choice) and kbit::gemm_fp8,
 against vllm_kbit/fp8_act.py's float64 function of the same e4m3 operands (tests/fp8_cases.py:
 the quantizer bit for bit, the GEMM per element within the fp32-accumulation bound, outputs
 NaN-poisoned first). Every K x output dtype x tile, odd M, N not a multiple of the column tile,
@@ -10,7 +11,7 @@ import torch
 
 import gemm_cases
 from fp8_cases import check, random_weight
-from vllm_kbit import fp8_act
+from vllm_kbit import fp8_act, ops
 
 pytestmark = pytest.mark.gpu
 
@@ -40,8 +41,14 @@ def test_gemm_fp8(bits, dtype, tile, shape):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemm_fp8_kernel_choice(bits, dtype):
-    for m in (64, 1024, 2200):  # the kernel's choice on 132 SMs: 64 x 128, 128 x 128, 128 x 256
+    tiles = []
+    for m in (64, 1024, 2200):  # the plan's choice on 132 SMs: 64 x 128, 128 x 128, 128 x 256
         check(m, 4096, 1024, bits, dtype, bias=True, seed=m)
+        plan = ops.fp8_plan(m, 4096, 1024, bits, dtype)
+        assert plan.token_tiles == -(-m // plan.tile_m) and plan.column_groups == -(-4096 // plan.tile_n), plan
+        tiles.append((plan.tile_m, plan.tile_n))
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert tiles == [(64, 128), (128, 128), (128, 256)], tiles
 
 
 def test_scales_and_zero_rows():
@@ -81,7 +88,11 @@ def test_errors():
     xq, s = torch.ops.kbit.quantize_act_fp8(x, bits)
     with pytest.raises(RuntimeError, match="x_q"):
         torch.ops.kbit.gemm_fp8_quantized(xq.view(torch.uint8), s, packed, absmax, cb, bits, n, k, 0, torch.float16)
-    with pytest.raises(RuntimeError, match="tile"):
-        torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, bits, n, k, 0, torch.float16, None, 96)
-    with pytest.raises(RuntimeError, match="tile"):
-        torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, bits, n, k, 0, torch.float16, None, 256, 256)
+    with pytest.raises(RuntimeError, match="fp8.tile_m=96"):
+        torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, bits, n, k, 0, torch.float16, None,
+                                          "fp8.tile_m=96")
+    with pytest.raises(RuntimeError, match="fp8.tile_n=256"):
+        torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, bits, n, k, 0, torch.float16, None,
+                                          "fp8.tile_m=256,fp8.tile_n=256")
+    with pytest.raises(RuntimeError, match="unknown override"):
+        torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, bits, n, k, 0, torch.float16, None, "fp8.tile=1")

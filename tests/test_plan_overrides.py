@@ -45,7 +45,8 @@ def _plans_from_cpp(tmp_path):
 def test_plan_fields_match_the_binding(tmp_path):
     # each plan's values, wrapped as vllm_kbit.ops wraps the ops' lists, must read back under the
     # names the C++ gives them (GemvPlan gathers clusters1..8), and name the same kernel
-    wrap = {"gemv": ops.gemv_plan_from_list, "mma": lambda v: ops.MmaPlan(*v), "wgmma": lambda v: ops.WgmmaPlan(*v)}
+    wrap = {"gemv": ops.gemv_plan_from_list, "mma": lambda v: ops.MmaPlan(*v), "wgmma": lambda v: ops.WgmmaPlan(*v),
+            "fp8": lambda v: ops.Fp8Plan(*v)}
     plans = _plans_from_cpp(tmp_path)
     assert {f for f, _, _ in plans} == set(wrap), plans
     for family, kernel, fields in plans:
@@ -63,6 +64,11 @@ def test_plan_fields_match_the_binding(tmp_path):
     for family in wrap:
         values = [tuple(v for _, v in f) for fam, _, f in plans if fam == family]
         assert len(set(values)) == len(values) > 1, family
+    # the FP8 plan's tile choice on 132 SMs (dispatch/fp8_plan.h): 64 x 128 while 128-token tiles
+    # leave SMs idle, then 128 x 128, then the wide 128 x 256; a forced tile is kept
+    fp8 = [ops.Fp8Plan(*[v for _, v in f]) for fam, _, f in plans if fam == "fp8"]
+    assert [(p.tile_m, p.tile_n) for p in fp8] == [(64, 128), (128, 128), (128, 256), (256, 128)], fp8
+    assert [(p.token_tiles, p.column_groups) for p in fp8] == [(1, 32), (8, 32), (18, 16), (2, 2)], fp8
 
 
 def test_overrides_keys_documented():

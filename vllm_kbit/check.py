@@ -1,8 +1,9 @@
 """Check a vllm_kbit install: `python3 -m vllm_kbit.check [MODEL_DIR]` (or `vllm-kbit-check`).
 
 Prints the package, torch and CUDA versions, whether the CUDA extension loaded (or why not),
-the architectures it was built for, the GPU and the kernel paths it gets (each one, and the MoE
-expert kernel, run once against a float64 reference), what FP8 activations run on here, and
+the architectures it was built for, the GPU and the kernel paths it gets (each one, the MoE
+expert kernel and, where the build and GPU have it, the FP8-activation kernel, run once against
+a float64 reference, with the key of the kernel that ran), what FP8 activations run on here, and
 whether vLLM loads the plugin and sees the `kbit` method. With MODEL_DIR (a kbit checkpoint),
 also its bits and activations setting.
 Exit status 1 where a GPU is present but the kbit kernels are not usable on it, or where vLLM
@@ -110,6 +111,31 @@ def _moe_self_test() -> str:
         raise RuntimeError(f"relative error {err:.2e} against float64 (want < {_TOL})")
     kernel = ops.moe_kernel(bits, torch.bfloat16)
     return f"MoE experts (moe_gemm, {m} tokens x top-{top_k}, {kernel}): ok, relative error {err:.1e}"
+
+
+def _fp8_self_test() -> str:
+    """Run kbit::gemm_fp8 (FP8 activations) once on a random bf16 problem; the kernel its plan
+    names and its relative error against fp8_act's float64 function of the same operands."""
+    from vllm_kbit import format as kf
+    from vllm_kbit import fp8_act
+    from vllm_kbit import ops
+
+    m, n, k, bits = 64, 256, 512, 4
+    w = torch.randn(n, k, device="cuda") * 0.02
+    cb = kf.default_codebook(bits, "cuda")
+    q, a, _ = ops.quantize(w.to(torch.bfloat16), bits, cb)
+    packed, absmax = ops.repack(q, a, bits)
+    w_exp = fp8_act.weight_exponent(a)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    y = ops.gemm_fp8(x, packed, absmax, cb, bits, n, k, w_exp)
+    torch.cuda.synchronize()
+    xq, scale = fp8_act.quantize_act_natural(x)
+    ref = fp8_act.gemm_from_quantized(xq, scale, fp8_act.weight_e4m3(q, a, bits, cb, w_exp), w_exp, None, torch.float64)
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    if not err < _TOL:  # (NaN too)
+        raise RuntimeError(f"relative error {err:.2e} against float64 (want < {_TOL})")
+    kernel = ops.fp8_plan(m, n, k, bits, torch.bfloat16).kernel
+    return f"FP8 activations (gemm_fp8, M = {m}, {kernel}): ok, relative error {err:.1e}"
 
 
 def _vllm_sees_kbit() -> tuple[bool | None, str]:
@@ -227,6 +253,12 @@ def run(out=sys.stdout, model: str | None = None) -> int:
             except Exception as e:  # e.g. an extension built before the MoE kernels: no CUDA kernel
                 say(f"  MoE experts (moe_gemm): FAILED: {' '.join(str(e).split())[:300]}")
                 problems.append(f"the MoE expert kernel fails on this GPU (a stale build? {ops.build_command()})")
+            if ops.has_fp8():  # an optional path: listed where this build and GPU have it
+                try:
+                    say("  " + _fp8_self_test())
+                except Exception as e:
+                    say(f"  FP8 activations (gemm_fp8): FAILED: {' '.join(str(e).split())[:300]}")
+                    problems.append("the FP8-activation kernel fails on this GPU")
 
     say(fp8_line())
     if model is not None:

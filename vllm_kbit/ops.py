@@ -18,8 +18,8 @@ as opaque and hand it back to `gemm` unchanged.
       FP8 (e4m3) activations, per-token scales; w_exp: fp8_act.weight_exponent of the layer
   kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the kernel's k order, s_x fp32 [M])
   kbit::gemm_fp8_quantized(x_q, s_x, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias?,
-                           tile_m=0, tile_n=0) -> y   (a nonzero tile forces the kernel's CTA tile:
-                           64x128, 128x128, 256x128 or 128x256 tokens x columns)
+                           overrides="") -> y   (plan overrides: "fp8.tile_m=256" forces the
+                           kernel's CTA tile, csrc/dispatch/overrides.h; the reference ignores them)
 The two MoE ops serve vLLM's MoE layer (vllm_kbit/moe.py): experts repacked one by one and
 stacked (moe.repack_experts), pairs (token, expert) grouped in blocks of block_m as vLLM's
 moe_align_block_size lays them out. Their codebook is float32 [2^bits], one for all experts,
@@ -52,8 +52,8 @@ _lib.define("gemm_fp8(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, i
             "int w_exp, Tensor? bias=None) -> Tensor")
 _lib.define("quantize_act_fp8(Tensor x, int bits) -> (Tensor, Tensor)")
 _lib.define("gemm_fp8_quantized(Tensor x_q, Tensor x_scale, Tensor packed, Tensor absmax, Tensor codebook, "
-            "int bits, SymInt n, SymInt k, int w_exp, ScalarType dtype, Tensor? bias=None, int tile_m=0, "
-            "int tile_n=0) -> Tensor")
+            "int bits, SymInt n, SymInt k, int w_exp, ScalarType dtype, Tensor? bias=None, str overrides=\"\") "
+            "-> Tensor")
 
 # VLLM_KBIT_REFERENCE=1: run the reference on every device, on purpose (to compare against it).
 REFERENCE_REQUESTED = os.environ.get("VLLM_KBIT_REFERENCE", "0") == "1"
@@ -221,7 +221,7 @@ def _quantize_act_fp8_ref(x, bits):
 
 
 def _gemm_fp8_quantized_ref(x_q, x_scale, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias=None,
-                            tile_m=0, tile_n=0):
+                            overrides=""):
     w_q = fp8_act.weight_e4m3(packed, absmax, bits, codebook, w_exp)
     return fp8_act.gemm_from_quantized(fp8_act.unpermute(x_q, bits), x_scale, w_q, w_exp, bias, dtype).to(dtype)
 
@@ -267,8 +267,8 @@ def _quantize_act_fp8_fake(x, bits):
 
 
 @torch.library.register_fake("kbit::gemm_fp8_quantized")
-def _gemm_fp8_quantized_fake(x_q, x_scale, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias=None, tile_m=0,
-                             tile_n=0):
+def _gemm_fp8_quantized_fake(x_q, x_scale, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias=None,
+                             overrides=""):
     return x_q.new_empty((x_q.shape[0], n), dtype=dtype)
 
 
@@ -359,6 +359,7 @@ MMA_PLAN_FIELDS = ("bits", "dtype", "config", "tile_m", "tile_n", "splits", "k_t
 WGMMA_PLAN_FIELDS = ("bits", "dtype", "tile_m", "columns", "row_split", "built_per_sm", "split_tall", "splits",
                      "groups", "grid_x", "token_tiles", "column_groups", "launch_per_sm", "chunk", "spread", "y_tma",
                      "pdl")
+FP8_PLAN_FIELDS = ("bits", "dtype", "tile_m", "tile_n", "token_tiles", "column_groups")
 _DTYPE_CODES = {0: "f16", 1: "bf16", 2: "f32"}  # the plan ops' dtype field (plan_fields.h, dtype_code)
 
 
@@ -389,6 +390,14 @@ class WgmmaPlan(collections.namedtuple("WgmmaPlan", WGMMA_PLAN_FIELDS)):
                 f"cps{self.built_per_sm}{',split_tall' if self.split_tall else ''}>")
 
 
+class Fp8Plan(collections.namedtuple("Fp8Plan", FP8_PLAN_FIELDS)):
+    __slots__ = ()
+
+    @property
+    def kernel(self) -> str:
+        return f"fp8<K{self.bits},{_DTYPE_CODES[self.dtype]},mt{self.tile_m},cn{self.tile_n}>"
+
+
 def gemv_plan_from_list(values) -> GemvPlan:
     """A GemvPlan from kbit::gemv_plan's list (its eight cluster counts gathered into `clusters`)."""
     values = [int(v) for v in values]
@@ -408,6 +417,18 @@ def mma_plan(m, n, k, bits, overrides=None, dtype=torch.float16) -> MmaPlan:
 
 def wgmma_plan(m, n, k, bits, dtype=torch.float16, splits=0, overrides=None) -> WgmmaPlan:
     return WgmmaPlan(*torch.ops.kbit.wgmma_plan(m, n, k, bits, dtype, splits, plan_overrides(overrides)))
+
+
+def fp8_plan(m, n, k, bits, dtype=torch.float16, overrides=None) -> Fp8Plan:
+    """The FP8-activation GEMM's plan (its kernel's key, then its grid) on the current device, as
+    kbit::gemm_fp8_quantized(..., overrides) launches it (kbit::gemm_fp8's without overrides)."""
+    return Fp8Plan(*torch.ops.kbit.fp8_plan(m, n, k, bits, dtype, plan_overrides(overrides)))
+
+
+def has_fp8() -> bool:
+    """Whether this build and the current GPU run the FP8-activation GEMM (kbit::has_fp8; False
+    without it: a CPU machine, or a build from before the op)."""
+    return HAS_CUDA_KERNELS and hasattr(torch.ops.kbit, "has_fp8") and torch.ops.kbit.has_fp8()
 
 
 def gemm_kernel(m, n, k, bits, dtype=torch.float16, path=Path.AUTO, splits=0, overrides=None) -> str:

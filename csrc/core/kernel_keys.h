@@ -50,11 +50,25 @@ struct MoeKey {
   DType dtype = DType::kHalf;
 };
 
-// repack/dequantize.cu: dequantize_kernel<T, bits, stacked>.
+// wgmma_fp8/fp8_kernel.cuh: gemm_kernel<bits, tile_m, tile_n, T> (FP8 activations, sm_90a).
+struct Fp8Key {
+  int bits = 4;
+  DType dtype = DType::kHalf;  // of the output (x's): f16 or bf16
+  int tile_m = 128;            // tokens per CTA (wgmma N): 64, 128 or 256
+  int tile_n = 128;            // columns per CTA: 128, or 256 (the wide CTA, 128 tokens)
+};
+
+// repack/dequant_kernel.cuh: dequant_kernel<T, bits, stacked>.
 struct DequantKey {
   int bits = 4;
   DType dtype = DType::kHalf;  // of the output: f16, bf16 or f32
   bool stacked = false;        // experts [E, n, k] in one launch
+};
+
+// repack/quant_kernel.cuh: quantize_kernel<T, bits>.
+struct QuantKey {
+  int bits = 4;
+  DType dtype = DType::kHalf;  // of the input W: f16, bf16 or f32
 };
 
 inline std::string describe(const GemvKey& k) {
@@ -79,9 +93,19 @@ inline std::string describe(const MoeKey& k) {
   std::snprintf(s, sizeof s, "moe_gemv<K%d,%s>", k.bits, dtype_name(k.dtype));
   return s;
 }
+inline std::string describe(const Fp8Key& k) {
+  char s[64];
+  std::snprintf(s, sizeof s, "fp8<K%d,%s,mt%d,cn%d>", k.bits, dtype_name(k.dtype), k.tile_m, k.tile_n);
+  return s;
+}
 inline std::string describe(const DequantKey& k) {
   char s[64];
   std::snprintf(s, sizeof s, "dequantize<K%d,%s%s>", k.bits, dtype_name(k.dtype), k.stacked ? ",stacked" : "");
+  return s;
+}
+inline std::string describe(const QuantKey& k) {
+  char s[48];
+  std::snprintf(s, sizeof s, "quantize<K%d,%s>", k.bits, dtype_name(k.dtype));
   return s;
 }
 

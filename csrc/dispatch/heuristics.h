@@ -1,17 +1,17 @@
 // The tuned numbers of the launch plans and the path rule, one table per GPU, chosen from the
-// device's properties. The path rule, the GEMV plan and the wgmma plan (path_rule.h,
-// gemv_plan.h, wgmma_plan.h) read every tuned threshold and cost from a Heuristics; the rules
-// themselves stay in the planners (the mma.sync cost model keeps its constants in mma_plan.h).
+// device's properties. The path rule and the GEMV, mma.sync, wgmma and FP8 GEMM plans
+// (path_rule.h, gemv_plan.h, mma_plan.h, wgmma_plan.h, fp8_plan.h) read every tuned threshold
+// and cost from a Heuristics; the rules themselves stay in the planners.
 // A new GPU is a new table here (and a line in choose_heuristics), not a code change.
 // Host code only, torch-free, no CUDA headers: the CPU replays in tests/cpp use the tables as
 // they are, and the Python tests read this file (tests/heuristics_tables.py).
 //
-// Where the numbers come from (docs/DESIGN.md, "Heuristics as data"): the GEMV and wgmma cost
-// models and the path thresholds were fitted to forced sweeps on the H200 and then checked on
-// the H100 (docs/PERFORMANCE.md has both GPUs' figures); the H100 and H200 tables hold the same
-// values, so either GPU plans as before. The generic table serves GPUs without the wgmma kernel
-// (sm_80, sm_86, sm_89), whose GEMV and mma.sync plans adapt through the device facts they read
-// (SM count, cluster capacity, shared memory per CTA); it keeps the same values.
+// Where the numbers come from (docs/DESIGN.md, "Heuristics as data"): the GEMV, mma.sync and
+// wgmma cost models and the path thresholds were fitted to forced sweeps on the H200 and then
+// checked on the H100 (docs/PERFORMANCE.md has both GPUs' figures); the H100 and H200 tables
+// hold the same values, so either GPU plans as before. The generic table serves GPUs without
+// the wgmma kernel (sm_80, sm_86, sm_89), whose GEMV and mma.sync plans adapt through the device
+// facts they read (SM count, cluster capacity, shared memory per CTA); it keeps the same values.
 #pragma once
 #include <cstring>
 
@@ -40,18 +40,33 @@ struct Heuristics {
   int wgmma_tall_max_splits;     // the largest split of the tall CTAs
   int wgmma_tall_split_gain;     // a tall split must beat the unsplit plan by this / 10
   int wgmma_short_chunk;         // 32-token tiles: row split 2 up to this many K-tiles a CTA
+  // ---- mma.sync plan (mma_plan.h), in K-tiles of the 128 x 256 config
+  double mma_eff[3];             // tensor-pipe efficiency of configs 0, 1, 2 (rows per B fragment)
+  double mma_alone;              // a two-CTA config's K-tile where the grid has <= 1 CTA per SM
+  double mma_split_write;        // a split item's partial write
+  double mma_fill;               // the grid's pipeline fill
+  double mma_split_read;         // the last chunk's read-back, per chunk
+  double mma_split_margin;       // a split must beat whole-K tiles by this factor
+  int mma_small_max_m;           // 32-row tiles up to this M, 128-row tiles above
+  int mma_mid_max_m;             // 64-row tiles up to this M
+  // ---- FP8-activation GEMM plan (fp8_plan.h): a tile is taken where its CTAs fill this % of the SMs
+  int fp8_wide_fill_percent;     // 128 x 256 (the wide CTA, one per SM)
+  int fp8_tile128_fill_percent;  // else 128 x 128 (two per SM), else 64 x 128
 };
 
 // The H100 and H200 tables: the values the sweeps chose (docs/PERFORMANCE.md).
 constexpr Heuristics kH100Heuristics = {"h100", {4096, 4096, 3072, 1024}, {1023, 1023, 1023, 512}, 512,
                                         4, 0.9, 8, 3, 0.9, 80,
-                                        16, 40, 40, 192, 88, 30, 3, 9, 48};
+                                        16, 40, 40, 192, 88, 30, 3, 9, 48,
+                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256, 100, 100};
 constexpr Heuristics kH200Heuristics = {"h200", {4096, 4096, 3072, 1024}, {1023, 1023, 1023, 512}, 512,
                                         4, 0.9, 8, 3, 0.9, 80,
-                                        16, 40, 40, 192, 88, 30, 3, 9, 48};
+                                        16, 40, 40, 192, 88, 30, 3, 9, 48,
+                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256, 100, 100};
 constexpr Heuristics kGenericHeuristics = {"generic", {4096, 4096, 3072, 1024}, {1023, 1023, 1023, 512}, 512,
                                            4, 0.9, 8, 3, 0.9, 80,
-                                           16, 40, 40, 192, 88, 30, 3, 9, 48};
+                                           16, 40, 40, 192, 88, 30, 3, 9, 48,
+                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256, 100, 100};
 
 // What the choice reads of a device (cudaDeviceProp's fields of the same meaning).
 struct DeviceFacts {
@@ -71,5 +86,8 @@ inline const Heuristics& choose_heuristics(const DeviceFacts& d) {
   }
   return kGenericHeuristics;
 }
+
+// The current device's table, chosen once per device (dispatch/device_heuristics.cu).
+const Heuristics& device_heuristics();
 
 }  // namespace kbit

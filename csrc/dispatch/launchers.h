@@ -61,9 +61,6 @@ cudaError_t launch_dequantize(DType dtype, const uint32_t* packed, const uint8_t
                               const float* codebook, void* w, int n_begin, int n_end, int k,
                               int bits, cudaStream_t stream);
 
-// ---- the device's tuned numbers (dispatch/heuristics.h): its table, chosen once per device
-const Heuristics& device_heuristics();
-
 // ---- programmatic dependent launch (core/common.cuh, wait_prior_grids)
 
 // Whether the GEMV and wgmma kernels are launched with PDL: on compute capability >= 9.0.

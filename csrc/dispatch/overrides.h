@@ -1,6 +1,6 @@
 // Plan overrides: what a test or a benchmark may force in the launch plans, passed explicitly to
-// the path-forcing op (kbit::gemm_path) and the plan ops (kbit::gemv_plan / mma_plan / wgmma_plan)
-// as one string of comma-separated `key=value` fields. kbit::gemm never takes overrides: its
+// the path-forcing op (kbit::gemm_path), the FP8 GEMM's test hook (kbit::gemm_fp8_quantized) and
+// the plan ops (kbit::gemv_plan / mma_plan / wgmma_plan / fp8_plan) as one string of comma-separated `key=value` fields. kbit::gemm never takes overrides: its
 // plans depend on the shape and the device alone. Host code only, torch-free (the CPU replays in
 // tests/cpp parse the same strings).
 //
@@ -27,6 +27,9 @@
 //   wgmma.y_tma          0: unsplit calls store y element by element, not through TMA
 //   wgmma.tall_split     0: 256-token tiles never split along K
 //   wgmma.zeroed_counters 0: cluster-group counters zeroed in the workspace, not kept zero
+//   fp8.tile_m           64 | 128 | 256: the FP8 GEMM's tokens per CTA (with fp8.tile_n: the tile;
+//   fp8.tile_n           128 | 256: its columns per CTA     either alone: the other 128)
+//                        the tiles: 64 x 128, 128 x 128, 256 x 128, 128 x 256
 #pragma once
 #include <cstdlib>
 #include <initializer_list>
@@ -61,6 +64,11 @@ struct WgmmaOverrides {
   bool zeroed_counters = true;
 };
 
+struct Fp8Overrides {
+  int tile_m = 0;           // 0 with tile_n 0: the plan's; 0 with tile_n set: 128
+  int tile_n = 0;           // 0 with tile_m 0: the plan's; 0 with tile_m set: 128
+};
+
 struct PlanOverrides {
   bool pdl = true;
   bool pdl_trigger = true;
@@ -68,6 +76,7 @@ struct PlanOverrides {
   GemvOverrides gemv;
   MmaOverrides mma;
   WgmmaOverrides wgmma;
+  Fp8Overrides fp8;
 };
 
 // Parses `text` ("key=value,key=value", spaces allowed around fields) into *out, starting from
@@ -123,9 +132,14 @@ inline std::string parse_overrides(const std::string& text, PlanOverrides* out) 
     else if (key == "wgmma.y_tma") ok = flag(&out->wgmma.y_tma);
     else if (key == "wgmma.tall_split") ok = flag(&out->wgmma.tall_split);
     else if (key == "wgmma.zeroed_counters") ok = flag(&out->wgmma.zeroed_counters);
+    else if (key == "fp8.tile_m") ok = one_of({0, 64, 128, 256}) && (out->fp8.tile_m = int(v), true);
+    else if (key == "fp8.tile_n") ok = one_of({0, 128, 256}) && (out->fp8.tile_n = int(v), true);
     else return "unknown override '" + key + "' (csrc/dispatch/overrides.h lists the keys)";
     if (!ok) return "override " + key + "=" + value + " is out of range (csrc/dispatch/overrides.h)";
   }
+  if (out->fp8.tile_n == 256 && out->fp8.tile_m != 0 && out->fp8.tile_m != 128)
+    return "overrides fp8.tile_m=" + std::to_string(out->fp8.tile_m) +
+           ",fp8.tile_n=256: the FP8 GEMM's tiles are 64 x 128, 128 x 128, 256 x 128 and 128 x 256";
   return "";
 }
 

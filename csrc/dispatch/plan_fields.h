@@ -1,7 +1,8 @@
-// The plan ops' fields (kbit::gemv_plan / mma_plan / wgmma_plan): each plan as (name, value)
-// pairs, its kernel's key first. The binding returns the values; vllm_kbit/ops.py names them in
-// the same order (GemvPlan, MmaPlan, WgmmaPlan), which tests/test_plan_overrides.py checks
-// against these pairs, value by value, on plans built here (tests/cpp/plan_fields_test.cu).
+// The plan ops' fields (kbit::gemv_plan / mma_plan / wgmma_plan / fp8_plan): each plan as (name,
+// value) pairs, its kernel's key first. The binding returns the values; vllm_kbit/ops.py names
+// them in the same order (GemvPlan, MmaPlan, WgmmaPlan, Fp8Plan), which
+// tests/test_plan_overrides.py checks against these pairs, value by value, on plans built here
+// (tests/cpp/plan_fields_test.cu).
 // Host code only, torch-free.
 #pragma once
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "core/kernel_keys.h"
+#include "dispatch/fp8_plan.h"
 #include "dispatch/gemv_plan.h"
 #include "dispatch/mma_plan.h"
 #include "dispatch/wgmma_plan.h"
@@ -67,6 +69,15 @@ inline PlanFields wgmma_plan_fields(const WgmmaPlan& p) {
           {"spread", p.spread},
           {"y_tma", p.y_tma},
           {"pdl", p.pdl}};
+}
+
+inline PlanFields fp8_plan_fields(const Fp8Plan& p) {
+  return {{"bits", p.key.bits},
+          {"dtype", dtype_code(p.key.dtype)},
+          {"tile_m", p.key.tile_m},
+          {"tile_n", p.key.tile_n},
+          {"token_tiles", p.token_tiles},
+          {"column_groups", p.column_groups}};
 }
 
 inline std::vector<int64_t> field_values(const PlanFields& f) {

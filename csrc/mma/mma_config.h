@@ -12,14 +12,14 @@ namespace mma {
 // The three tile configs (make_plan picks one; all 8 warps, warp tile 16*MB x 32):
 //   0: 32 x 256 (M <= 32)   1: 64 x 256 (M <= 128)   2: 128 x 256 (large M)
 constexpr int kNumCfgs = 3;
+// (The cost model's efficiency of each config is the heuristics table's mma_eff.)
 struct CfgDesc {
   int mb, ng, wm, wn, min_blocks, threads, tile_m, tile_n;
-  double eff;  // relative tensor-pipe efficiency (cost model): more rows per B fragment
 };
 constexpr CfgDesc cfg_desc(int c) {
-  return c == 0 ? CfgDesc{2, 4, 1, 8, 2, 256, 32, 256, 0.4}
-       : c == 1 ? CfgDesc{4, 4, 1, 8, 2, 256, 64, 256, 0.6}
-                : CfgDesc{8, 4, 1, 8, 1, 256, 128, 256, 1.0};
+  return c == 0 ? CfgDesc{2, 4, 1, 8, 2, 256, 32, 256}
+       : c == 1 ? CfgDesc{4, 4, 1, 8, 2, 256, 64, 256}
+                : CfgDesc{8, 4, 1, 8, 1, 256, 128, 256};
 }
 
 // The kernel's arguments (the launcher fills them from the plan).

@@ -11,7 +11,7 @@ namespace kbit {
 bool has_mma() { return true; }
 
 MmaPlan plan_mma(DType dtype, int m, int n, int k, int bits, int num_sms, const MmaOverrides& o) {
-  return mma::plan_for_overrides(m, n, k, bits, dtype, num_sms, o);
+  return mma::plan_for_overrides(device_heuristics(), m, n, k, bits, dtype, num_sms, o);
 }
 
 cudaError_t launch_mma(const MmaPlan& plan, const GemmOperands& a, void* workspace, cudaStream_t stream) {

@@ -1,197 +1,30 @@
-// Dequantize the tiled layout to row-major W rows [n_begin, n_end): the large-M path (dequantize
-// + cuBLAS, in N-chunks so the scratch stays bounded) and a test hook; and stacked MoE experts
-// whole (launch_dequantize_experts: one launch, the experts on the grid's y dimension).
-// Values are float(codebook[idx]) * decode(absmax) rounded once: bit-exact with
-// format.dequantize.
-//
-// Design. One warp per 64x64 unit, as the GEMV reads it: each lane loads its own 16 bytes per
-// bit-plane (a warp reads 512 contiguous bytes per plane) and its 16 absmax codes, the next
-// unit's loads in flight while this one decodes. A lane's plane words hold, per (column,
-// block), 8 elements at k = 2t + {0, 1, 8, 9, 16, 17, 24, 25} (core/layout.cuh): their indices
-// come out of the IndexWords nibble / byte fields (~1 op each), their values from a
-// 32-replica fp32 codebook in shared memory (lane l reads replica l: conflict-free). The
-// rounded pairs (k, k + 1) go to a per-warp staging block of 64 rows (one per column), and the
-// warp writes it back as 16-byte stores, 8 rows x 64 contiguous bytes per instruction (full
-// sectors). Gathering each index bit by bit, or 16-byte stores 64 bytes apart across a warp
-// (half-written sectors), was slower; this one runs at about the DRAM's rate for a stream of
-// 80% writes (docs/PERFORMANCE.md).
-#include <cstdint>
+// Launches of the dequantize kernel (repack/dequant_kernel.cuh): the large-M path (dequantize
+// + cuBLAS, in N-chunks so the scratch stays bounded), a test hook, and stacked MoE experts
+// whole (launch_dequantize_experts: one launch). Each checks its arguments, names the kernel by
+// its key and launches the entry the generated selector (dequant_kernels.h) returns.
+#include <cuda_runtime.h>
 
-#include "core/common.cuh"
-#include "core/decode.cuh"
+#include "core/kernel_keys.h"
 #include "core/layout.cuh"
 #include "dispatch/launchers.h"
 #include "moe/moe_launchers.h"
+#include "repack/dequant_kernels.h"
 
 namespace kbit {
 namespace {
 
-constexpr int kDqWarps = 4;  // warps per CTA (units are per warp; small CTAs pack the SMs)
-
-// One warp's staging block: 64 rows (the unit's columns) of one 32-block, each padded by 16
-// bytes. For 2-byte outputs (rows of 80 B) that keeps both directions conflict-free: a 4-byte
-// store instruction covers rows g = 0..7 of one n8 group at word t of one 16-byte chunk (banks
-// 20 g + t + a constant: 32 distinct), and each quarter-warp of a 16-byte read takes chunk c of
-// 8 rows r (banks 20 r + 4 c + 0..3). fp32 output (a test hook) takes some 2-way conflicts.
-template <typename T> struct DqStaging {
-  static constexpr int kRowBytes = kBlock * int(sizeof(T)) + 16;
-  static constexpr int kBytes = kUnitN * kRowBytes;
-  static constexpr int kChunks = kBlock * int(sizeof(T)) / 16;  // 16-byte chunks per row
-  static constexpr int kRowsPerStore = 32 / kChunks;            // rows one warp store covers
-  static_assert(kRowBytes % 16 == 0, "16-byte aligned rows");
-};
-
-// Two rounded values (k, k + 1) as one store.
-template <typename T> struct DqPair { using type = uint32_t; };
-template <> struct DqPair<float> { using type = float2; };
-template <typename T> __device__ __forceinline__ typename DqPair<T>::type dq_pair(float a, float b) { return pack2<T>(a, b); }
-template <> __device__ __forceinline__ float2 dq_pair<float>(float a, float b) { return make_float2(a, b); }
-
-// kStacked: stacked MoE experts (launch_dequantize_experts), expert blockIdx.y's layout, output
-// and codebook at the given strides (codebook_stride 0: one shared); its own instantiation, so
-// the single-weight kernel keeps its code
-// and registers (the offsets cost it up to 14 registers, sm_90a).
-template <typename T, int BITS, bool kStacked>
-__global__ void __launch_bounds__(kDqWarps * 32) dequant_kernel(const uint32_t* __restrict__ packed,
-                                                                const uint8_t* __restrict__ absmax,
-                                                                const float* __restrict__ codebook, T* __restrict__ w,
-                                                                int n_begin, int n_end, int k, long long expert_words,
-                                                                long long expert_bytes, long long expert_elems,
-                                                                int codebook_stride) {
-  if constexpr (kStacked) {
-    packed += blockIdx.y * expert_words;
-    absmax += blockIdx.y * expert_bytes;
-    w += blockIdx.y * expert_elems;
-    codebook += blockIdx.y * codebook_stride;
-  }
-  using S = DqStaging<T>;
-  using Pair = typename DqPair<T>::type;
-  constexpr int kEntries = 1 << BITS;
-  __shared__ float lut[kEntries * 32];  // entry v of replica r at word 32 v + r (bank r)
-  __shared__ __align__(16) uint8_t staging[kDqWarps][S::kBytes];
-  for (int i = threadIdx.x; i < kEntries * 32; i += blockDim.x) lut[i] = __ldg(codebook + (i >> 5));
-  __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3, g = lane >> 2;
-  const float* my_lut = lut + lane;
-  uint8_t* st = staging[warp];
-  const int ku_count = k_units(k), nb = k / kBlock;
-  const int nu0 = n_begin / kUnitN;
-  const long long units = (long long)(n_units(n_end) - nu0) * ku_count;
-  const long long unit0 = (long long)nu0 * ku_count;  // layout unit nu * ku_count + ku: item u is unit0 + u
-  const long long stride = (long long)gridDim.x * kDqWarps;
-  long long u = (long long)blockIdx.x * kDqWarps + warp;
-  LaneUnit<BITS> cur, nxt;  // the unit in decode, the next one in flight
-  if (u < units) cur.load(packed, absmax, unit0 + u, lane);
-  for (; u < units; u += stride) {
-    const int nu = nu0 + int(u / ku_count), ku = int(u % ku_count);
-    const long long un = u + stride;
-    if (un < units) nxt.load(packed, absmax, unit0 + un, lane);
-#pragma unroll
-    for (int kb = 0; kb < 2; ++kb) {
-      __syncwarp();  // the previous block's staging reads are done
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int wi = 2 * kb + h;
-        uint32_t planes[BITS];
-#pragma unroll
-        for (int b = 0; b < BITS; ++b) planes[b] = comp(cur.w[b], wi);
-        IndexWords<BITS> iw;
-        iw.build(planes);
-        const uint32_t codes = comp(cur.a, wi);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float scale = decode_e4m4_exact((codes >> (8 * q)) & 0xFFu);
-          float v[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = my_lut[(iw.lane_of(q, e >> 2, e & 3) & (kEntries - 1)) * 32] * scale;
-          // row: column 8 (4h + q) + g of the unit; element e sits at k = 16 (e >> 2) + 8 ((e >> 1) & 1) + 2t + (e & 1)
-          uint8_t* row = st + (8 * (4 * h + q) + g) * S::kRowBytes;
-#pragma unroll
-          for (int e = 0; e < 8; e += 2) {
-            const int k0 = 16 * (e >> 2) + 8 * ((e >> 1) & 1) + 2 * t;
-            *reinterpret_cast<Pair*>(row + k0 * int(sizeof(T))) = dq_pair<T>(v[e], v[e + 1]);
-          }
-        }
-      }
-      __syncwarp();  // every lane's pairs are in the staging block
-      const int jb = 2 * ku + kb;
-      if (jb < nb) {
-#pragma unroll
-        for (int it = 0; it < kUnitN / S::kRowsPerStore; ++it) {
-          const int r = (lane % S::kRowsPerStore) + S::kRowsPerStore * it, ch = lane / S::kRowsPerStore;
-          const int c = nu * kUnitN + r;
-          const uint4 val = *reinterpret_cast<const uint4*>(st + r * S::kRowBytes + 16 * ch);
-          if (c >= n_begin && c < n_end)
-            *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(w + (long long)(c - n_begin) * k + jb * kBlock) + 16 * ch) = val;
-        }
-      }
-    }
-    cur = nxt;
-  }
+DequantKey dequant_key(int bits, DType dtype, bool stacked) {
+  DequantKey key;
+  key.bits = bits;
+  key.dtype = dtype;
+  key.stacked = stacked;
+  return key;
 }
 
-template <typename T, int BITS, bool kStacked>
-cudaError_t launch_dequant_bits(const uint32_t* packed, const uint8_t* absmax, const float* codebook, int cb_stride,
-                                T* w, int n_begin, int n_end, int k, int experts, cudaStream_t stream) {
-  const auto kernel = dequant_kernel<T, BITS, kStacked>;
-  // a grid-stride loop over units with as many CTAs as are resident at once (asked once per
-  // instantiation), so that every warp runs a few units and its next loads overlap its decode
-  static const int per_sm = [&] {
-    int b = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kDqWarps * 32, 0) == cudaSuccess && b > 0 ? b : 1;
-  }();
-  const int sms = device_attribute<cudaDevAttrMultiProcessorCount>();
-  const long long units = (long long)(n_units(n_end) - n_begin / kUnitN) * k_units(k);
-  // (stacked experts: the resident CTAs shared out over them, at least one each)
-  const long long cap = (long long)per_sm * (sms > 0 ? sms : 1) / experts;
-  const long long need = (units + kDqWarps - 1) / kDqWarps;
-  const int grid = int(need < cap ? (need > 0 ? need : 1) : (cap > 0 ? cap : 1));
-  // one expert's tiled layout and output (stacked: (n_begin, n_end) = (0, n))
-  const long long layout_units = (long long)n_units(n_end) * k_units(k);
-  const long long words = layout_units * unit_words(BITS), bytes = layout_units * kUnitAbsmaxBytes;
-  const long long elems = (long long)n_end * k;
-  kernel<<<dim3(grid, experts, 1), kDqWarps * 32, 0, stream>>>(packed, absmax, codebook, w, n_begin, n_end, k, words,
-                                                               bytes, elems, cb_stride);
-  return cudaGetLastError();
-}
-
-template <typename T, bool kStacked>
-cudaError_t launch_dequant_t(const uint32_t* packed, const uint8_t* absmax, const float* codebook, int cb_stride, T* w,
-                             int n_begin, int n_end, int k, int bits, int experts, cudaStream_t stream) {
-  switch (bits) {
-    case 2:
-      return launch_dequant_bits<T, 2, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
-                                                  stream);
-    case 3:
-      return launch_dequant_bits<T, 3, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
-                                                  stream);
-    case 4:
-      return launch_dequant_bits<T, 4, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
-                                                  stream);
-    case 5:
-      return launch_dequant_bits<T, 5, kStacked>(packed, absmax, codebook, cb_stride, w, n_begin, n_end, k, experts,
-                                                  stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
-template <bool kStacked>
-cudaError_t launch_dequant_dtype(DType dtype, const uint32_t* packed, const uint8_t* absmax, const float* codebook,
-                                 int cb_stride, void* w, int n_begin, int n_end, int k, int bits, int experts,
-                                 cudaStream_t stream) {
-  switch (dtype) {
-    case DType::kHalf:
-      return launch_dequant_t<__half, kStacked>(packed, absmax, codebook, cb_stride, static_cast<__half*>(w), n_begin,
-                                                n_end, k, bits, experts, stream);
-    case DType::kBFloat16:
-      return launch_dequant_t<__nv_bfloat16, kStacked>(packed, absmax, codebook, cb_stride,
-                                                       static_cast<__nv_bfloat16*>(w), n_begin, n_end, k, bits,
-                                                       experts, stream);
-    case DType::kFloat32:
-      return launch_dequant_t<float, kStacked>(packed, absmax, codebook, cb_stride, static_cast<float*>(w), n_begin,
-                                               n_end, k, bits, experts, stream);
-  }
-  return cudaErrorInvalidValue;
+cudaError_t launch(const DequantKey& key, const repack::DequantParams& p, cudaStream_t stream) {
+  const repack::DequantKernel* kernel = repack::select_kernel(key);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  return kernel->launch(p, stream);
 }
 
 }  // namespace
@@ -199,7 +32,8 @@ cudaError_t launch_dequant_dtype(DType dtype, const uint32_t* packed, const uint
 cudaError_t launch_dequantize(DType dtype, const uint32_t* packed, const uint8_t* absmax, const float* codebook,
                               void* w, int n_begin, int n_end, int k, int bits, cudaStream_t stream) {
   if (n_begin < 0 || n_end <= n_begin || k <= 0 || k % kBlock != 0) return cudaErrorInvalidValue;
-  return launch_dequant_dtype<false>(dtype, packed, absmax, codebook, 0, w, n_begin, n_end, k, bits, 1, stream);
+  const repack::DequantParams p = {packed, absmax, codebook, 0, w, n_begin, n_end, k, 1};
+  return launch(dequant_key(bits, dtype, false), p, stream);
 }
 
 cudaError_t launch_dequantize_experts(DType dtype, const uint32_t* packed, const uint8_t* absmax,
@@ -207,8 +41,8 @@ cudaError_t launch_dequantize_experts(DType dtype, const uint32_t* packed, const
                                       int k, int bits, cudaStream_t stream) {
   if (num_experts < 1 || num_experts > 65535 || n < 1 || k <= 0 || k % kBlock != 0) return cudaErrorInvalidValue;
   if (codebook_stride != 0 && codebook_stride != (1 << bits)) return cudaErrorInvalidValue;
-  return launch_dequant_dtype<true>(dtype, packed, absmax, codebook, codebook_stride, w, 0, n, k, bits, num_experts,
-                                    stream);
+  const repack::DequantParams p = {packed, absmax, codebook, codebook_stride, w, 0, n, k, num_experts};
+  return launch(dequant_key(bits, dtype, true), p, stream);
 }
 
 }  // namespace kbit

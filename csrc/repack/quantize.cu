@@ -1,108 +1,25 @@
-// Quantize W[N, K] to the checkpoint layout, bit-exact with vllm_kbit/format.py:quantize.
-// One warp per 32-weight block (lane i = element i): warp absmax, E4M4 encode (nearest code,
-// ties to the larger code), IEEE division by the decoded scale, nearest codebook entry (first
-// index on ties, as torch.argmin), and __ballot_sync to build the bit-planes.
-// The build uses --use_fast_math, so the arithmetic that must match the reference bit for bit
-// goes through the explicit round-to-nearest intrinsics (__fdiv_rn, __fsub_rn).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+// Launch of the quantize kernel (repack/quant_kernel.cuh): W[N, K] -> checkpoint layout. Checks
+// the shape, names the kernel by its key and launches the entry the generated selector
+// (quant_kernels.h) returns.
+#include <cuda_runtime.h>
 
-#include <cstdint>
-
+#include "core/kernel_keys.h"
 #include "core/layout.cuh"
-#include "core/common.cuh"
 #include "dispatch/launchers.h"
+#include "repack/quant_kernels.h"
 
 namespace kbit {
-namespace {
-
-constexpr float kE4M4Max = 31.0f;
-
-// format.encode_e4m4 for one value, computed by the whole warp (every lane gets the code):
-// hi = searchsorted(table, v) = number of codes whose value is < v (table strictly
-// increasing), counted 8 codes per lane; then the nearest of hi-1 / hi, ties to hi.
-__device__ __forceinline__ int encode_e4m4_warp(float amax, int lane) {
-  const float v = fminf(fmaxf(amax, 0.0f), kE4M4Max);
-  int below = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) below += decode_e4m4_exact(lane * 8 + i) < v ? 1 : 0;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) below += __shfl_xor_sync(0xffffffffu, below, o);
-  const int hi = below > 255 ? 255 : below;
-  const int lo = hi > 0 ? hi - 1 : 0;
-  const bool take_lo = __fsub_rn(v, decode_e4m4_exact(lo)) < __fsub_rn(decode_e4m4_exact(hi), v);
-  return take_lo ? lo : hi;
-}
-
-template <typename T, int BITS>
-__global__ void __launch_bounds__(256) quantize_kernel(const T* __restrict__ w, const float* __restrict__ codebook,
-                                                       uint32_t* __restrict__ qweight, uint8_t* __restrict__ absmax,
-                                                       long long total_blocks, int blocks_per_row) {
-  const int lane = threadIdx.x & 31;
-  // lane i < 2^BITS keeps codebook entry i; entries are broadcast with shuffles below
-  const float cb_lane = lane < (1 << BITS) ? codebook[lane] : 0.0f;
-  const long long warps = (long long)gridDim.x * (blockDim.x / 32);
-  for (long long blk = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; blk < total_blocks;
-       blk += warps) {
-    const float v = to_float(w[blk * kBlock + lane]);
-    float amax = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const int code = encode_e4m4_warp(amax, lane);
-    const float scale = decode_e4m4_exact(code);
-    const float q = scale > 0.0f ? __fdiv_rn(v, scale) : 0.0f;
-    int best = 0;
-    float best_d = fabsf(__fsub_rn(q, __shfl_sync(0xffffffffu, cb_lane, 0)));
-#pragma unroll
-    for (int i = 1; i < (1 << BITS); ++i) {
-      const float d = fabsf(__fsub_rn(q, __shfl_sync(0xffffffffu, cb_lane, i)));
-      if (d < best_d) { best_d = d; best = i; }  // strict: the first index wins ties
-    }
-    uint32_t plane_word = 0;
-#pragma unroll
-    for (int b = 0; b < BITS; ++b) {
-      const uint32_t word = __ballot_sync(0xffffffffu, (best >> b) & 1);
-      if (lane == b) plane_word = word;
-    }
-    const long long row = blk / blocks_per_row, jb = blk % blocks_per_row;
-    if (lane < BITS) qweight[(row * blocks_per_row + jb) * BITS + lane] = plane_word;
-    if (lane == 0) absmax[blk] = uint8_t(code);
-  }
-}
-
-template <typename T>
-cudaError_t launch_quantize_t(const T* w, const float* codebook, uint32_t* qweight, uint8_t* absmax, int n, int k,
-                              int bits, cudaStream_t stream) {
-  const long long total = (long long)n * (k / kBlock);
-  constexpr int kThreads = 256, kWarps = kThreads / 32;
-  long long grid = (total + kWarps - 1) / kWarps;
-  if (grid > (1 << 20)) grid = 1 << 20;  // grid-stride beyond
-  if (grid < 1) grid = 1;
-  const int bpr = k / kBlock;
-  switch (bits) {
-    case 2: quantize_kernel<T, 2><<<int(grid), kThreads, 0, stream>>>(w, codebook, qweight, absmax, total, bpr); break;
-    case 3: quantize_kernel<T, 3><<<int(grid), kThreads, 0, stream>>>(w, codebook, qweight, absmax, total, bpr); break;
-    case 4: quantize_kernel<T, 4><<<int(grid), kThreads, 0, stream>>>(w, codebook, qweight, absmax, total, bpr); break;
-    case 5: quantize_kernel<T, 5><<<int(grid), kThreads, 0, stream>>>(w, codebook, qweight, absmax, total, bpr); break;
-    default: return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
-}
-
-}  // namespace
 
 cudaError_t launch_quantize(DType dtype, const void* w, const float* codebook, uint32_t* qweight, uint8_t* absmax,
                             int n, int k, int bits, cudaStream_t stream) {
   if (n <= 0 || k <= 0 || k % kBlock != 0) return cudaErrorInvalidValue;
-  switch (dtype) {
-    case DType::kHalf:
-      return launch_quantize_t(static_cast<const __half*>(w), codebook, qweight, absmax, n, k, bits, stream);
-    case DType::kBFloat16:
-      return launch_quantize_t(static_cast<const __nv_bfloat16*>(w), codebook, qweight, absmax, n, k, bits, stream);
-    case DType::kFloat32:
-      return launch_quantize_t(static_cast<const float*>(w), codebook, qweight, absmax, n, k, bits, stream);
-  }
-  return cudaErrorInvalidValue;
+  QuantKey key;
+  key.bits = bits;
+  key.dtype = dtype;
+  const repack::QuantKernel* kernel = repack::select_kernel(key);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  const repack::QuantParams p = {w, codebook, qweight, absmax, n, k};
+  return kernel->launch(p, stream);
 }
 
 }  // namespace kbit

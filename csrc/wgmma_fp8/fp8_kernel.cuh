@@ -2,7 +2,7 @@
 // of M: y[M, N] = (x_q[M, K] @ w_q[N, K]^T) * s_x[m] * 2^-r (+ bias), torch-free. The function
 // it computes, operand roundings included, is vllm_kbit/fp8_act.py's reference (gemm_fp8_ref).
 //
-// Same scheme as the fp16 wgmma kernel (wgmma/wgmma_kernel.cuh): Y^T = W X^T, the weights
+// Same scheme as the fp16 wgmma kernel (wgmma/kernel.cuh): Y^T = W X^T, the weights
 // decoded in registers as wgmma's register-sourced A operand, x by TMA in shared memory as B.
 //   * decode: the fp16 pair tables of core/decode.cuh with 16 * 2^r folded into the codebook (r:
 //     the layer's weight exponent, so every weight times 2^r lies in e4m3's range), one HMUL2 by
@@ -42,6 +42,7 @@
 #include "core/common.cuh"
 #include "core/decode.cuh"
 #include "core/layout.cuh"
+#include "wgmma_fp8/fp8_config.h"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define KBIT_FP8_DEVICE 1
@@ -419,6 +420,13 @@ cudaError_t launch_tile(const Params& p, const uint8_t* xq, cudaStream_t stream)
   const dim3 grid(div_up(p.m, MT), div_up(n_units(p.n), C::kSlabs));
   kernel<<<grid, C::kThreads, C::kBytes, stream>>>(p, xmap);
   return cudaGetLastError();
+}
+
+// The selector's entry of one instantiation (fp8_kernels.h, generated).
+template <int BITS, int MT, int CN, typename T>
+constexpr Fp8Kernel kernel_entry() {
+  constexpr cudaError_t (*launch)(const Params&, const uint8_t*, cudaStream_t) = &launch_tile<BITS, MT, CN, T>;
+  return {launch};
 }
 
 // Per-token e4m3 quantization of x [M, K] (K % 32 == 0): s_x[m] = max(amax_m, floor) / 448,

@@ -1,9 +1,11 @@
 // Host entry points of the FP8-activation kbit GEMM (declared in wgmma_fp8/fp8_launch.h): what
-// this build and device support, the tile choice, the activation quantizer's launch, and the
-// dispatch on bits to the per-bit-width instantiations (wgmma_fp8/instantiations/fp8_k<BITS>.cu).
+// this build and device support, the activation quantizer's launch, and the launch of the kernel
+// a key names (fp8_kernels.h, generated: the instantiations are
+// wgmma_fp8/instantiations/fp8_k<BITS>.cu).
 #include <cuda_runtime.h>
 
 #include "wgmma_fp8/fp8_kernel.cuh"
+#include "wgmma_fp8/fp8_kernels.h"
 #include "wgmma_fp8/fp8_launch.h"
 
 namespace kbit {
@@ -34,23 +36,14 @@ bool quantize_supported() { return gemm_supported(); }
 int max_weight_exp() { return kMaxWeightExp; }
 int min_weight_exp() { return kMinWeightExp; }
 
-// 128 tokens x 256 columns (the wide CTA, one per SM) where those CTAs fill the SMs: the x
-// tile serves twice the columns, and the shared-memory fills from L2 are what bound the 128 x 128
-// tile at large M. Else 128 x 128 (two per SM) where those fill them, else 64 x 128.
-Tile choose_tile(int m, int n, int num_sms) {
-  const long long groups128 = div_up(n_units(n), 2), groups256 = div_up(n_units(n), 4);
-  if ((long long)div_up(m, 128) * groups256 >= num_sms) return {128, 256};
-  if ((long long)div_up(m, 128) * groups128 >= num_sms) return {128, 128};
-  return {64, 128};
-}
-
-cudaError_t launch_quantize_act(OutType dtype, const void* x, uint8_t* xq, float* scale, int m, int k, int bits,
+cudaError_t launch_quantize_act(DType dtype, const void* x, uint8_t* xq, float* scale, int m, int k, int bits,
                                 cudaStream_t stream) {
   if (m < 1 || k < 32 || k % 32 != 0 || bits < 2 || bits > 5) return cudaErrorInvalidValue;
+  if (dtype != DType::kHalf && dtype != DType::kBFloat16) return cudaErrorInvalidValue;
   if ((reinterpret_cast<uintptr_t>(x) & 15) || (reinterpret_cast<uintptr_t>(xq) & 15)) return cudaErrorInvalidValue;
   if (!quantize_supported()) return cudaErrorNotSupported;
   const bool crumb = bits == 2;  // the k order depends only on K=2's crumb pairs vs the nibble pairs
-  if (dtype == OutType::kHalf) {
+  if (dtype == DType::kHalf) {
     if (crumb) quantize_act_kernel<__half, 2><<<m, 256, 0, stream>>>(static_cast<const __half*>(x), xq, scale, k);
     else quantize_act_kernel<__half, 4><<<m, 256, 0, stream>>>(static_cast<const __half*>(x), xq, scale, k);
   } else {
@@ -60,27 +53,20 @@ cudaError_t launch_quantize_act(OutType dtype, const void* x, uint8_t* xq, float
   return cudaGetLastError();
 }
 
-cudaError_t launch_gemm(const GemmArgs& a, int tile_m, int tile_n, int num_sms, cudaStream_t stream) {
+cudaError_t launch_gemm(const Fp8Key& key, const GemmArgs& a, cudaStream_t stream) {
   if (a.m < 1 || a.n < 1 || a.k < 32 || a.k % 32 != 0 || a.bits < 2 || a.bits > 5) return cudaErrorInvalidValue;
   if (a.w_exp > kMaxWeightExp || a.w_exp < kMinWeightExp) return cudaErrorInvalidValue;
-  Tile tile = {tile_m, tile_n};
-  if (tile_m == 0 && tile_n == 0) {
-    tile = choose_tile(a.m, a.n, num_sms > 0 ? num_sms : 1);
-  } else {
-    if (tile.m == 0) tile.m = 128;
-    if (tile.n == 0) tile.n = 128;
-    const bool ok = (tile.n == 128 && (tile.m == 64 || tile.m == 128 || tile.m == 256)) || (tile.n == 256 && tile.m == 128);
-    if (!ok) return cudaErrorInvalidValue;
-  }
+  if (key.bits != a.bits || key.dtype != a.dtype) return cudaErrorInvalidValue;
   const auto misaligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) != 0; };
   if (misaligned(a.xq) || misaligned(a.packed) || misaligned(a.absmax)) return cudaErrorInvalidValue;
   if (!gemm_supported()) return cudaErrorNotSupported;
-  switch (a.bits) {
-    case 2: return detail::launch_bits<2>(a, tile.m, tile.n, stream);
-    case 3: return detail::launch_bits<3>(a, tile.m, tile.n, stream);
-    case 4: return detail::launch_bits<4>(a, tile.m, tile.n, stream);
-    default: return detail::launch_bits<5>(a, tile.m, tile.n, stream);
-  }
+  const Fp8Kernel* kernel = select_kernel(key);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  Params p;
+  p.x_scale = a.x_scale; p.packed = a.packed; p.absmax = a.absmax; p.codebook = a.codebook;
+  p.bias = a.bias; p.y = a.y;
+  p.m = a.m; p.n = a.n; p.k = a.k; p.ku_count = k_units(a.k); p.w_exp = a.w_exp;
+  return kernel->launch(p, a.xq, stream);
 }
 
 }  // namespace fp8

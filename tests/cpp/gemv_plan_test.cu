@@ -267,6 +267,12 @@ int main() {
     EXPECT(!parse_overrides("wgmma.tile_m=100", &o).empty(), "a tile that is not built");
     EXPECT(!parse_overrides("gemv.wide_table=2", &o).empty(), "a flag is 0 or 1");
     EXPECT(!parse_overrides("pdl", &o).empty() && !parse_overrides("pdl=x", &o).empty(), "key=integer only");
+    EXPECT(parse_overrides("fp8.tile_n=256", &o).empty() && o.fp8.tile_m == 0 && o.fp8.tile_n == 256,
+           "the FP8 wide tile (tile_m: 128)");
+    EXPECT(parse_overrides("fp8.tile_m=256,fp8.tile_n=128", &o).empty() && o.fp8.tile_m == 256, "the FP8 tall tile");
+    EXPECT(parse_overrides("fp8.tile_m=256,fp8.tile_n=256", &o).find("fp8.tile_n=256") != std::string::npos,
+           "an FP8 tile that is not built is named");
+    EXPECT(!parse_overrides("fp8.tile_m=96", &o).empty(), "an FP8 tile_m that is not built");
   }
   for (const auto& k : keys_seen)
     std::printf("key %d %d %d %d %d %d\n", std::get<0>(k), std::get<1>(k), std::get<2>(k), std::get<3>(k),

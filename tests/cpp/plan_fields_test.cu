@@ -1,5 +1,5 @@
 // The plan ops' fields as the binding returns them (dispatch/plan_fields.h), for plans built here
-// on the CPU: GEMV, mma.sync and wgmma plans of a few shapes (the H200's SM count, clusters and
+// on the CPU: GEMV, mma.sync, wgmma and FP8 GEMM plans of a few shapes (the H200's SM count, clusters and
 // occupancy, every kernel built). Built and run by tests/test_plan_overrides.py with nvcc as host
 // code; it prints, per plan, "plan FAMILY KERNEL" (the key as core/kernel_keys.h describes it),
 // then one "field NAME VALUE" line per field in the order the ops return them.
@@ -37,13 +37,13 @@ int main() {
   print("gemv", describe(forced.key), gemv_plan_fields(forced, t.cluster_capacity));
   // mma.sync: the cost model's plans and a forced config
   for (const int m : {64, 600}) {
-    const MmaPlan p = mma::plan_for_overrides(m, 4096, 14336, 4, DType::kBFloat16, kSms, MmaOverrides{});
+    const MmaPlan p = mma::plan_for_overrides(kH200Heuristics, m, 4096, 14336, 4, DType::kBFloat16, kSms, MmaOverrides{});
     print("mma", describe(p.key), mma_plan_fields(p));
   }
   MmaOverrides cfg0;
   cfg0.config = 0;
   cfg0.splits = 3;
-  const MmaPlan pm = mma::plan_for_overrides(20, 6144, 4096, 2, DType::kHalf, kSms, cfg0);
+  const MmaPlan pm = mma::plan_for_overrides(kH200Heuristics, 20, 6144, 4096, 2, DType::kHalf, kSms, cfg0);
   print("mma", describe(pm.key), mma_plan_fields(pm));
   // wgmma: one CTA per SM at 128 / 256 tokens, two below; clusters up to 16 wherever asked
   wg::Occupancy one, two;
@@ -69,9 +69,19 @@ int main() {
     const WgmmaPlan p = wg::plan_on(m, 4096, 14336, 0, wt, WgmmaOverrides{}, occ);
     print("wgmma", describe(p.key), wgmma_plan_fields(p));
   }
-  WgmmaOverrides tall;
-  tall.tile_m = 256;
-  const WgmmaPlan pt = wg::plan_on(512, 4100, 4096, 2, wt, tall, occ);  // split tall CTAs, N % 8 != 0
+  WgmmaOverrides tall_wgmma;
+  tall_wgmma.tile_m = 256;
+  const WgmmaPlan pt = wg::plan_on(512, 4100, 4096, 2, wt, tall_wgmma, occ);  // split tall CTAs, N % 8 != 0
   print("wgmma", describe(pt.key), wgmma_plan_fields(pt));
+  // FP8 GEMM: the plan's tiles (64 x 128, 128 x 128, 128 x 256 on 132 SMs) and a forced one
+  for (const int m : {64, 1024, 2200}) {
+    const Fp8Plan p = fp8::plan(kH200Heuristics, m, 4096, 4, m == 1024 ? DType::kBFloat16 : DType::kHalf, kSms,
+                                Fp8Overrides{});
+    print("fp8", describe(p.key), fp8_plan_fields(p));
+  }
+  Fp8Overrides tall;
+  tall.tile_m = 256;
+  const Fp8Plan pf = fp8::plan(kH200Heuristics, 300, 200, 3, DType::kHalf, kSms, tall);
+  print("fp8", describe(pf.key), fp8_plan_fields(pf));
   return 0;
 }
