@@ -41,12 +41,12 @@ def log(*a):
 
 def kbit_weight(n, k, bits):
     from vllm_kbit import format as kf
-    from vllm_kbit import fp8_act
+    from vllm_kbit import fp8
     g = torch.Generator(device="cuda").manual_seed(bits)
     idx = torch.randint(0, 1 << bits, (n, k), generator=g, device="cuda").to(torch.uint8)
     e4m4 = torch.randint(0x70, 0xA0, (n, k // 32), generator=g, device="cuda").to(torch.uint8)
     packed, absmax = torch.ops.kbit.repack(kf.pack_bitplanes(idx, bits), e4m4, bits)
-    return packed, absmax, kf.normal_float_codebook(bits, "cuda"), fp8_act.weight_exponent(e4m4)
+    return packed, absmax, kf.normal_float_codebook(bits, "cuda"), fp8.weight_exponent(e4m4)
 
 
 def vllm_ops():

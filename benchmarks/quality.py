@@ -220,14 +220,26 @@ def hqq_weight(w, bits, group=64):
     return Quantizer.dequantize(wq, meta).reshape(w.shape).float()
 
 
+# vLLM's floor for a dynamic FP8 scale (scaled_fp8_quant): an all-zero row gets this scale, not 0
+VLLM_MIN_SCALE = 1.0 / (fp8.E4M3_MAX * 512.0)
+
+
+def vllm_fp8_per_row(v):
+    """vLLM's dynamic per-token (or, on a weight, per-channel) e4m3 quantization:
+    (e4m3 [..., K], float32 scale [..., 1]) with scale = max(amax / 448, VLLM_MIN_SCALE)."""
+    v = v.float()
+    scale = (v.abs().amax(-1, keepdim=True) / fp8.E4M3_MAX).clamp_min(VLLM_MIN_SCALE)
+    return fp8.to_e4m3(v / scale), scale
+
+
 def w8a8_forward(w, bias):
     """vLLM's FP8 W8A8 with per-channel weight scales and per-token dynamic activation scales
     (`--quantization fp8` with llm-compressor's FP8_DYNAMIC scheme), in float otherwise."""
-    s_w = (w.abs().amax(1) / fp8.E4M3_MAX).clamp_min(fp8.MIN_SCALE)
-    w_q = fp8.to_e4m3(w / s_w[:, None]).float()
+    w_q, s_w = vllm_fp8_per_row(w)
+    w_q, s_w = w_q.float(), s_w.squeeze(1)
 
     def forward(x):
-        x_q, s_x = fp8.quantize_activations(x)
+        x_q, s_x = vllm_fp8_per_row(x)
         y = (x_q.float() @ w_q.t()) * s_x * s_w
         return (y + bias if bias is not None else y).to(x.dtype)
     return forward
@@ -322,8 +334,8 @@ def minilm_fp8_sqnr() -> dict:
         return {"mean_db": sum(vals) / len(vals), "min_db": min(vals)}
     w8 = []
     for w in ws.values():
-        s_w = (w.abs().amax(1) / fp8.E4M3_MAX).clamp_min(fp8.MIN_SCALE)
-        w8.append(kf.sqnr_db(w, fp8.to_e4m3(w / s_w[:, None]).float() * s_w[:, None]))
+        w_q, s_w = vllm_fp8_per_row(w)
+        w8.append(kf.sqnr_db(w, w_q.float() * s_w))
     res["fp8-w8a8 (per-channel e4m3)"] = row(w8)
     for bits in (2, 3, 4, 5):
         cb = codebooks.named_codebook("nf0", bits)

@@ -66,7 +66,7 @@ void check_weight(const char* op, const at::Tensor& packed, const at::Tensor& ab
   TORCH_CHECK(k > 0 && k % 32 == 0 && k < (int64_t(1) << 31), o + "k = " + str(k) + " must be a positive multiple of 32");
   TORCH_CHECK(w_exp >= min_weight_exp() && w_exp <= max_weight_exp(),
               o + "w_exp = " + str(w_exp) + " is outside " + str(min_weight_exp()) + ".." + str(max_weight_exp()) +
-                  " (vllm_kbit.fp8_act.weight_exponent computes it)");
+                  " (vllm_kbit.fp8.weight_exponent computes it)");
   check_dense(packed, op, "packed", at::kInt, ref);
   check_dense(absmax, op, "absmax", at::kByte, ref);
   check_dense(codebook, op, "codebook", at::kFloat, ref);

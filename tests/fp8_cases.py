@@ -1,8 +1,8 @@
 """Shared checks of the FP8-activation kbit GEMM (test_fp8_gpu.py, sanitize_fp8.py).
 
 Weights are random codebook indices and E4M4 codes in the checkpoint layout, tiled by
-kbit::repack. The kernel's activation quantizer must match fp8_act.quantize_act bit for bit;
-the GEMM is checked against fp8_act's float64 function of the same e4m3 operands, per element:
+kbit::repack. The kernel's activation quantizer must match vllm_kbit.fp8.quantize_act bit for bit;
+the GEMM is checked against vllm_kbit.fp8's float64 function of the same e4m3 operands, per element:
 |y - ref| <= 2^-12 * sum_k |x_q w_q| * s_x 2^-r (the fp32 accumulation, generously) plus the
 output's rounding. One wrong 32-block moves an element by ~|x_q w_q| * sqrt(32), far beyond
 the first term for the K used here (bound_catches_one_block checks that on each case).
@@ -10,7 +10,7 @@ the first term for the K used here (bound_catches_one_block checks that on each 
 import torch
 
 from vllm_kbit import format as kf
-from vllm_kbit import fp8_act
+from vllm_kbit import fp8
 from vllm_kbit import ops
 
 ACC_EPS = 2.0 ** -12
@@ -35,9 +35,9 @@ def poison(rows, cols, dtype):
 
 def reference(xq, scale, qweight, e4m4, cb, bits, w_exp, bias):
     """(ref float64, bound float64) for the kernel's x_q and s_x."""
-    xn = fp8_act.unpermute(xq, bits)
-    w_q = fp8_act.weight_e4m3(qweight, e4m4, bits, cb, w_exp)
-    ref = fp8_act.gemm_from_quantized(xn, scale, w_q, w_exp, bias, torch.float64)
+    xn = fp8.unpermute(xq, bits)
+    w_q = fp8.decode_weight(qweight, e4m4, cb, bits, w_exp)
+    ref = fp8.linear_quantized(xn, scale.unsqueeze(1), w_q, w_exp, bias)
     mag = (xn.double().abs() @ w_q.double().abs().t()) * scale.double().unsqueeze(1) * 2.0 ** -w_exp
     return ref, xn, w_q, mag
 
@@ -56,13 +56,13 @@ def tile_overrides(tile):
 def check(m, n, k, bits, dtype, bias=False, tile=(0, 0), x_scale=1.0, seed=0, fused=True):
     """Quantizer bit for bit, GEMM per element (with the tile forced unless (0, 0)); returns y."""
     qweight, e4m4, packed, absmax, cb = random_weight(n, k, bits, 1000 * bits + n + 7 * k + seed)
-    w_exp = fp8_act.weight_exponent(e4m4)
+    w_exp = fp8.weight_exponent(e4m4)
     b = (torch.randn(n, device="cuda") * 0.5).to(dtype) if bias else None
     x = (torch.randn(m, k, device="cuda") * x_scale).to(dtype)
     where = f"m={m} n={n} k={k} bits={bits} {dtype} bias={bias} tile={tile}"
 
     xq, scale = torch.ops.kbit.quantize_act_fp8(x, bits)
-    xq_ref, scale_ref = fp8_act.quantize_act(x, bits)
+    xq_ref, scale_ref = fp8.quantize_act(x, bits)
     assert torch.equal(scale, scale_ref), f"s_x differs from the reference {where}"
     mism = (xq.view(torch.uint8) != xq_ref.view(torch.uint8)).sum().item()
     assert mism == 0, f"{mism} x_q bytes differ from the reference {where}"

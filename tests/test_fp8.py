@@ -1,6 +1,7 @@
-"""FP8 activations (vllm_kbit.fp8): the reference against an independent float64 evaluation of
-its definition, the choice by M, the config field, the converter flag, the serve-time override
-through vLLM's hf_overrides, and vLLM's layers on the CPU computing the reference's function."""
+"""FP8 activations (vllm_kbit.fp8): the function the CUDA kernel computes, against an independent
+float64 evaluation of its definition; the kernel's k permutation and data flow modelled lane by
+lane; the CPU ops; the choice by M, the config field, the converter flag, the serve-time
+override through vLLM's hf_overrides, and vLLM's layers on the CPU computing the function."""
 import json
 import math
 import zlib
@@ -29,16 +30,20 @@ def e4m3_round(v: torch.Tensor) -> torch.Tensor:
 def direct_activations(x):
     """Step 1 from its definition: (x_q as float64, s_x float32 [M, 1])."""
     amax = x.float().abs().amax(-1, keepdim=True)
-    s_x = torch.maximum(amax / torch.tensor(448.0), torch.tensor(1.0 / (448 * 512), dtype=torch.float32))
+    s_x = torch.maximum(amax, torch.tensor(2.0 ** -64)) / torch.tensor(448.0)  # fp32 division
     return e4m3_round(x.float() / s_x), s_x                       # fp32 division, then e4m3
 
 
 def direct_weight(qweight, absmax, cb, bits, w_exp):
-    """Step 3 from its definition, element by element from the checkpoint tensors (float64)."""
+    """Step 3 from its definition, element by element from the checkpoint tensors (float64): the
+    kernel's fp16 pair table entry fp16(cb 2^(r+4)) times the fp16 block scale E4M4 / 16,
+    rounded to fp16, then to e4m3."""
     n = absmax.shape[0]
     idx = kf.unpack_bitplanes(qweight, bits).long().reshape(n, -1, 32)
-    scale = kf.e4m4_table().double()[absmax.long()].unsqueeze(-1)
-    w16 = (cb.half().double()[idx] * scale * 2.0 ** w_exp).reshape(n, -1).to(torch.float16)
+    table16 = (cb.double() * 2.0 ** (w_exp + 4)).half().double()
+    scale16 = (kf.e4m4_table().double() / 16).half().double()[absmax.long()].unsqueeze(-1)
+    assert torch.equal(scale16 * 16, kf.e4m4_table().double()[absmax.long()].unsqueeze(-1))  # exact in fp16
+    w16 = (table16[idx] * scale16).reshape(n, -1).half()  # the float64 product is exact: one rounding
     return e4m3_round(w16.double())
 
 
@@ -59,19 +64,30 @@ def random_layer(n, k, bits, gen, std=0.05, cb=None):
     return q, a, cb
 
 
-def test_weight_exponent_is_the_largest_that_fits():
+def test_weight_exponent_is_the_largest_that_fits_up_to_the_cap():
     table = kf.e4m4_table().double()
+    capped = 0
     for code in range(1, 256):
         r = fp8.weight_exponent(torch.tensor([[0, code], [code // 2, 1]], dtype=torch.uint8))
         top = table[code].item()
-        assert top * 2.0 ** r <= 448.0 < top * 2.0 ** (r + 1), code
+        if top * 2.0 ** (fp8.MAX_WEIGHT_EXP + 1) <= 448.0:  # the kernel's fp16 table caps r
+            assert r == fp8.MAX_WEIGHT_EXP, code
+            capped += 1
+        else:
+            assert top * 2.0 ** r <= 448.0 < top * 2.0 ** (r + 1), code
+    assert 0 < capped < 255
+    # 0.484375 * 2^9 = 248 <= 448 < 496; 31 * 8 = 248, 31 * 16 > 448
+    assert fp8.weight_exponent(torch.tensor([[0x70, 0x9F]], dtype=torch.uint8)) == 9
+    assert fp8.weight_exponent(torch.tensor([0xFF], dtype=torch.uint8)) == 3
     # 1.75 * 2^8 = 448 exactly: the bound is inclusive
     code = int(kf.encode_e4m4(torch.tensor(1.75)))
     assert kf.decode_e4m4(torch.tensor(code, dtype=torch.uint8)).item() == 1.75
     assert fp8.weight_exponent(torch.tensor([code], dtype=torch.uint8)) == 8
-    assert fp8.weight_exponent(torch.zeros(3, 4, dtype=torch.uint8)) == 0
+    assert fp8.weight_exponent(torch.zeros(3, 4, dtype=torch.uint8)) == fp8.MAX_WEIGHT_EXP
     with pytest.raises(ValueError, match="absmax must be the uint8 E4M4 codes"):
         fp8.weight_exponent(torch.ones(3, dtype=torch.float32))
+    with pytest.raises(ValueError, match="absmax is empty"):
+        fp8.weight_exponent(torch.zeros(0, dtype=torch.uint8))
 
 
 def test_e4m3_rounding_ties_saturation_and_subnormals():
@@ -82,18 +98,22 @@ def test_e4m3_rounding_ties_saturation_and_subnormals():
     assert fp8.to_e4m3(v).double().tolist() == want
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + (torch.float32,))
 def test_quantize_activations_matches_the_definition(dtype):
     gen = torch.Generator().manual_seed(zlib.crc32(str(dtype).encode()))
-    x = (torch.randn(37, 96, generator=gen) * torch.logspace(-3, 2, 37).unsqueeze(1)).to(dtype)
+    x = (torch.randn(37, 96, generator=gen) * torch.logspace(-6, 2, 37).unsqueeze(1)).to(dtype)
     x[3] = 0  # an all-zero token: the floor scale, zeros out
     x[5, 7] = 1e4 if dtype == torch.bfloat16 else 6e4  # one outlier sets its token's scale
     x_q, s_x = fp8.quantize_activations(x)
     ref_q, ref_s = direct_activations(x)
     assert x_q.dtype == torch.float8_e4m3fn and s_x.dtype == torch.float32 and s_x.shape == (37, 1)
     assert torch.equal(s_x, ref_s) and torch.equal(x_q.double(), ref_q)
-    assert s_x[3].item() == pytest.approx(1.0 / (448 * 512)) and not x_q[3].double().any()
-    assert x_q.double().abs().amax(-1).max().item() == 448.0  # each token's largest maps to 448
+    assert s_x[3].item() == (torch.tensor(2.0 ** -64) / 448).item() and not x_q[3].double().any()
+    nonzero = torch.ones(37, dtype=torch.bool)
+    nonzero[3] = False
+    assert (x_q.double().abs().amax(-1)[nonzero] == 448.0).all()  # each token's largest maps to 448
+    with pytest.raises(ValueError, match="x must be float16, bfloat16 or float32"):
+        fp8.quantize_activations(x.double())
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -121,9 +141,9 @@ def test_reference_equals_a_direct_float64_evaluation(bits, dtype, bias):
     assert 1e-3 < ((y.double() - exact).norm() / exact.norm()).item() < 0.08
 
 
-def test_decoded_weight_uses_the_fp16_codebook_and_fits_e4m3():
-    """One weight per code at the layer's largest scale: w_q is the e4m3 of fp16(fp16(cb) x
-    absmax x 2^r), and none saturates."""
+def test_decoded_weight_is_the_kernels_fp16_decode_and_fits_e4m3():
+    """One weight per code at the layer's largest scale: w_q is the e4m3 of the fp16 product of
+    the fp16 table entry cb 2^(r+4) and E4M4 / 16, and none saturates."""
     bits = 4
     cb = default_codebook(bits)
     idx = torch.arange(32) % 16
@@ -133,8 +153,28 @@ def test_decoded_weight_uses_the_fp16_codebook_and_fits_e4m3():
     w_q = fp8.decode_weight(q, a, cb, bits, r).double()[0]
     top = kf.decode_e4m4(a).double().item() * 2.0 ** r
     assert top <= 448 and w_q.abs().max().item() <= 448
-    want = e4m3_round((cb.half().double()[idx] * top).half().double())
+    want = e4m3_round(((cb.double() * 2.0 ** (r + 4)).half().double()[idx] * (top * 2.0 ** -(r + 4))).half().double())
     assert torch.equal(w_q, want)
+    with pytest.raises(ValueError, match=r"absmax has shape \(1, 2\)"):
+        fp8.decode_weight(q, a.repeat(1, 2), cb, bits, r)
+
+
+def test_a_layer_of_small_weights_runs_at_the_capped_exponent():
+    """max absmax below 448 / 2^12: r stays at the cap (the kernel's fp16 table would overflow
+    above it), the weights sit lower in e4m3's range and still follow the definition."""
+    gen = torch.Generator().manual_seed(12)
+    n, k, bits = 40, 96, 4
+    q, a, cb = random_layer(n, k, bits, gen, std=0.004)
+    top = kf.decode_e4m4(a.max()).item()
+    assert top * 2.0 ** (fp8.MAX_WEIGHT_EXP + 1) <= 448
+    r = fp8.weight_exponent(a)
+    assert r == fp8.MAX_WEIGHT_EXP
+    x = torch.randn(20, k, generator=gen).half()
+    w_q, y_ref = direct_fp8_linear(x, q, a, cb, bits, r)
+    assert torch.equal(fp8.decode_weight(q, a, cb, bits, r).double(), w_q)
+    assert w_q.abs().max().item() <= 224  # below e4m3's top binade, never saturated
+    y = fp8.gemm_fp8_reference(x, q, a, cb, bits, n, k, r)
+    assert ((y.double() - y_ref).abs() <= torch.finfo(torch.float16).eps * y_ref.abs().clamp_min(1e-3)).all()
 
 
 @pytest.mark.parametrize("m", [1, 16, 17, 64])
@@ -158,6 +198,166 @@ def test_linear_fp8_op_schema_and_fake():
     x = torch.randn(20, 64, generator=gen).to(torch.float16)
     args = (x, q, a, cb, 3, 32, 64, fp8.weight_exponent(a), torch.randn(32, generator=gen).to(torch.float16))
     torch.library.opcheck(torch.ops.kbit.linear_fp8.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_kernel_available_follows_the_extension(monkeypatch):
+    # without the extension the reference serves (no reason to refuse); with it, only a Hopper
+    # build's kernel (kbit::has_wgmma) reads its layout
+    monkeypatch.setattr(ops, "HAS_CUDA_KERNELS", False)
+    assert not fp8.kernel_available() and fp8.unavailable_reason() is None
+    monkeypatch.setattr(ops, "HAS_CUDA_KERNELS", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not fp8.kernel_available()
+    assert "Hopper" in fp8.unavailable_reason() and "9.0a" in fp8.unavailable_reason()
+
+
+# ----------------------------------------------------------------------------- the kernel's data flow
+
+def layout_k(t, e):
+    # core/layout.cuh: bit e of lane t's byte of a block is the weight at this k of the block
+    return 16 * (e >> 2) + 8 * ((e >> 1) & 1) + 2 * t + (e & 1)
+
+
+def decoder_pairs(bits):
+    # core/decode.cuh Decoder::pair: pair s = (first, second) element of the layout byte
+    return [(0, 2), (1, 3), (4, 6), (5, 7)] if bits == 2 else [(s, s + 4) for s in range(4)]
+
+
+@pytest.mark.parametrize("bits", kf.SUPPORTED_BITS)
+def test_k_permutation_matches_the_fragments(bits):
+    perm = fp8.k_permutation(bits)
+    assert sorted(perm) == list(range(32))  # a permutation of the block
+    # the 8-bit wgmma A fragment (m64nNk32): lane t's register 0 holds k positions 4t..4t+3 of
+    # row g, register 2 positions 16+4t..16+4t+3; the kernel packs pairs 0, 1 (lo, hi bytes) into
+    # register 0 and pairs 2, 3 into register 2, so x_q position p must hold the layout k of the
+    # weight in that byte
+    pairs = decoder_pairs(bits)
+    for t in range(4):
+        for reg, (pa, pb) in enumerate([(0, 1), (2, 3)]):
+            elems = [pairs[pa][0], pairs[pa][1], pairs[pb][0], pairs[pb][1]]
+            for i, e in enumerate(elems):
+                assert perm[16 * reg + 4 * t + i] == layout_k(t, e)
+    # every element of every lane lands once
+    assert sorted(layout_k(t, e) for t in range(4) for e in range(8)) == list(range(32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_act_is_the_natural_quantizer_permuted(dtype):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"qa-{dtype}".encode()))
+    x = (torch.randn(7, 256, generator=gen) * torch.logspace(-3, 2, 7).unsqueeze(1)).to(dtype)
+    x[3] = 0
+    for bits in kf.SUPPORTED_BITS:
+        xq, s = torch.ops.kbit.quantize_act_fp8(x, bits)
+        ref_q, ref_s = direct_activations(x)
+        assert xq.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (7,)
+        assert torch.equal(s, ref_s.squeeze(1))
+        xn = fp8.unpermute(xq, bits)
+        assert torch.equal(xn.double(), ref_q)
+        perm = torch.tensor(fp8.k_permutation(bits))
+        for blk in range(256 // 32):
+            cols = slice(32 * blk, 32 * blk + 32)
+            assert torch.equal(xq[:, cols].view(torch.uint8), xn[:, cols][:, perm].view(torch.uint8))
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        fp8.quantize_act(x.float(), 4)
+    with pytest.raises(ValueError, match="K % 32 == 0"):
+        fp8.quantize_act(x[:, :48], 4)
+
+
+@pytest.mark.parametrize("bits", kf.SUPPORTED_BITS)
+def test_cpu_ops_compute_the_reference(bits):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"ops-{bits}".encode()))
+    n, k = 72, 192
+    q, a, cb = random_layer(n, k, bits, gen)
+    r = fp8.weight_exponent(a)
+    x = torch.randn(9, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    w_q, ref = direct_fp8_linear(x, q, a, cb, bits, r, bias)
+    y = torch.ops.kbit.gemm_fp8(x, q, a, cb, bits, n, k, r, bias)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, fp8.gemm_fp8_reference(x, q, a, cb, bits, n, k, r, bias))
+    assert ((y.double() - ref).abs() <= torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3)).all()
+    xq, s = torch.ops.kbit.quantize_act_fp8(x, bits)
+    y2 = torch.ops.kbit.gemm_fp8_quantized(xq, s, q, a, cb, bits, n, k, r, torch.bfloat16, bias)
+    assert torch.equal(y, y2)
+    assert torch.equal(ops.gemm_fp8(x.unsqueeze(0), q, a, cb, bits, n, k, r, bias)[0], y)
+    # close to the 16-bit layer (e4m3 of x and w: a few percent)
+    yf = x.double() @ kf.dequantize(q, a, bits, cb, dtype=torch.float64).t() + bias.double()
+    assert ((y.double() - yf).norm() / yf.norm()).item() < 0.1
+
+
+def test_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.empty(5, 64, dtype=torch.float16)
+        y = torch.ops.kbit.gemm_fp8(x, torch.empty(1, dtype=torch.int32), torch.empty(1, dtype=torch.uint8),
+                                    torch.empty(16), 4, 96, 64, 0)
+        xq, s = torch.ops.kbit.quantize_act_fp8(x, 4)
+    assert y.shape == (5, 96) and xq.shape == (5, 64) and xq.dtype == torch.float8_e4m3fn and s.shape == (5,)
+
+
+def emulate_kernel(packed, absmax_packed, cb, bits, n, k, xq, scale, w_exp):
+    """The FP8 GEMM's data flow, lane by lane, in float64 (csrc/wgmma_fp8/fp8_kernel.cuh): each
+    lane's plane words of the tiled layout (layout.repack_ref), the decoder's pairs, the packing
+    into the 8-bit A fragment, the row -> column map of the epilogue, and the kernel's x_q."""
+    from vllm_kbit import layout as kl
+    nu_n, ku_n = kl.n_units(n), kl.k_units(k)
+    slots = (packed.long() & 0xFFFFFFFF).view(nu_n, ku_n, bits, 32, 4)
+    planes = kl.slots_to_planes(slots, bits)                              # [nu, ku, bits, lane, word]
+    codes = absmax_packed.view(nu_n, ku_n, 8, 4, 4)                       # [nu, ku, g, word, q]
+    table = (cb.double() * 2.0 ** (w_exp + 4)).to(torch.float16)
+    # every (E4M4 code, index) weight as the kernel rounds it: fp16 table x fp16 scale, then e4m3
+    s16 = (kf.decode_e4m4(torch.arange(256, dtype=torch.int64).to(torch.uint8)) / 16).to(torch.float16)
+    wtab = (s16.unsqueeze(1) * table.unsqueeze(0)).to(torch.float8_e4m3fn).double().tolist()
+    planes, codes = planes.tolist(), codes.tolist()
+    pairs = decoder_pairs(bits)
+    m = xq.shape[0]
+    xqp = torch.zeros(m, ku_n * 64, dtype=torch.float64)
+    xqp[:, :k] = xq.double()
+    w_frag = torch.zeros(nu_n * 64, ku_n * 64, dtype=torch.float64)      # [column, x_q position]
+    for nu in range(nu_n):
+        for ku in range(ku_n):
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for wi in range(4):
+                    kb, h = wi >> 1, wi & 1
+                    for q in range(4):
+                        col = nu * 64 + 8 * (4 * h + q) + g       # n8 group 4h + q (core/layout.cuh)
+                        # the epilogue's map: row tile 2h + qp, rows g (q = 2qp) / g + 8 (q = 2qp + 1)
+                        assert col == nu * 64 + 16 * (2 * h + q // 2) + 8 * (q % 2) + g
+                        wrow = wtab[codes[nu][ku][g][wi][q]]
+                        words = [planes[nu][ku][b][lane][wi] for b in range(bits)]
+
+                        def weight(e):
+                            return wrow[sum(((words[b] >> (8 * q + e)) & 1) << b for b in range(bits))]
+                        # registers 0 (positions 4t..4t+3) and 2 (16+4t..): pairs 0, 1 and 2, 3, lo byte first
+                        for reg, (pa, pb) in enumerate([(0, 1), (2, 3)]):
+                            for i, e in enumerate((pairs[pa][0], pairs[pa][1], pairs[pb][0], pairs[pb][1])):
+                                w_frag[col, ku * 64 + kb * 32 + 16 * reg + 4 * t + i] = weight(e)
+    acc = xqp @ w_frag.t()
+    return acc[:, :n] * scale.double().unsqueeze(1) * 2.0 ** -w_exp
+
+
+@pytest.mark.parametrize("bits", kf.SUPPORTED_BITS)
+def test_emulated_kernel_matches_reference(bits):
+    # the lane-level model of the kernel on the real tiled layout agrees with the reference:
+    # the k permutation, the pair packing and the row -> column map are consistent
+    from vllm_kbit import layout as kl
+    g = torch.Generator().manual_seed(10 + bits)
+    n, k, m = 80, 96, 5                                      # a partial unit along N and along K
+    idx = torch.randint(0, 1 << bits, (n, k), generator=g).to(torch.uint8)
+    codes = torch.randint(0x70, 0xA0, (n, k // 32), generator=g).to(torch.uint8)
+    qweight = kf.pack_bitplanes(idx, bits)
+    packed, absmax_packed = kl.repack_ref(qweight, codes, bits)
+    cb = kf.normal_float_codebook(bits)
+    r = fp8.weight_exponent(codes)
+    x = torch.randn(m, k, generator=g).to(torch.float16)
+    xq, s = fp8.quantize_act(x, bits)
+    y_emu = emulate_kernel(packed, absmax_packed, cb, bits, n, k, xq, s, r)
+    w_q = fp8.decode_weight(qweight, codes, cb, bits, r)
+    ref = fp8.linear_quantized(fp8.unpermute(xq, bits), s.unsqueeze(1), w_q, r)
+    assert torch.allclose(y_emu, ref, rtol=1e-12, atol=1e-12)
+    # and a wrong permutation would not: x_q in natural order disagrees
+    y_bad = emulate_kernel(packed, absmax_packed, cb, bits, n, k, fp8.unpermute(xq, bits), s, r)
+    assert not torch.allclose(y_bad, ref, rtol=1e-3, atol=1e-3)
 
 
 # ----------------------------------------------------------------------------- the setting
@@ -216,7 +416,7 @@ def test_check_reports_a_models_setting(tmp_path, monkeypatch):
     assert check.run(io.StringIO(), model=str(tmp_path / "b")) == 1
 
 
-@pytest.mark.parametrize("why", [None, "this vllm_kbit has no FP8 kernel"])
+@pytest.mark.parametrize("why", [None, "the FP8 kernel needs a Hopper GPU"])
 def test_check_says_what_fp8_layers_run(why, monkeypatch):
     from vllm_kbit import check
     monkeypatch.setattr(fp8, "unavailable_reason", lambda: why)
@@ -299,7 +499,7 @@ def test_layer_with_fp8_activations_computes_the_reference(kind, bits, dtype):
         pytest.skip(f"no FP8 kernel here: {fp8.unavailable_reason()}")
     gen = torch.Generator().manual_seed(zlib.crc32(f"fp8-layer-{kind}-{bits}".encode()))
     shards = shards_for(kind, bits, gen)
-    cb = kf.normal_float_codebook(bits)
+    cb = kf.default_codebook(bits)  # make_config's
     layer = build(kind, bits, dtype, shards, cfg=make_config(bits, activations="fp8"))
     plain = build(kind, bits, dtype, shards)
     assert layer.kbit_fp8 and not plain.kbit_fp8
@@ -331,11 +531,11 @@ def test_layer_without_the_fp8_kernel_runs_16_bit_activations():
     from test_vllm_layers import build, make_config, shards_for
     gen = torch.Generator().manual_seed(9)
     shards = shards_for("row", 4, gen)
-    with mock.patch("vllm_kbit.fp8.unavailable_reason", return_value="this vllm_kbit has no FP8 kernel"), \
+    with mock.patch("vllm_kbit.fp8.unavailable_reason", return_value="the FP8 kernel needs a Hopper GPU"), \
          mock.patch("vllm_kbit.linear.logger.warning_once") as warn:
         layer = build("row", 4, torch.float16, shards, cfg=make_config(4, activations="fp8"))
     assert not layer.kbit_fp8 and not hasattr(layer, "kbit_w_exp")
-    assert "no FP8 kernel" in warn.call_args[0][1]
+    assert "needs a Hopper GPU" in warn.call_args[0][1]
 
 
 def test_online_and_dummy_configs_accept_the_override():
@@ -362,8 +562,8 @@ def test_the_quality_benchmark_simulates_the_same_function():
     x = torch.randn(33, 96, generator=gen)
     y = quality.kbit_fp8_forward(w, 4, cb, "rtn", bias)(x)
     q, a = kf.quantize(w, 4, cb)
-    want = fp8.gemm_fp8_reference(x.double(), q, a, cb, 4, 64, 96, fp8.weight_exponent(a), bias)
-    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    want = fp8.gemm_fp8_reference(x, q, a, cb, 4, 64, 96, fp8.weight_exponent(a), bias)
+    torch.testing.assert_close(y.double(), want.double(), rtol=1e-5, atol=1e-5)
     # W8A8: per-channel e4m3 weights; its error is e4m3's, a few %
     exact = x.double() @ w.double().t() + bias.double()
     err = ((quality.w8a8_forward(w, bias)(x).double() - exact).norm() / exact.norm()).item()

@@ -1,7 +1,7 @@
 """FP8-activation kbit GEMM (csrc/wgmma_fp8/, Hopper sm_90a) on the GPU: kbit::quantize_act_fp8,
 kbit::gemm_fp8_quantized (each CTA tile forced through the plan overrides fp8.tile_m / fp8.tile_n,
 and the plan's choice) and kbit::gemm_fp8,
-against vllm_kbit/fp8_act.py's float64 function of the same e4m3 operands (tests/fp8_cases.py:
+against vllm_kbit/fp8.py's float64 function of the same e4m3 operands (tests/fp8_cases.py:
 the quantizer bit for bit, the GEMM per element within the fp32-accumulation bound, outputs
 NaN-poisoned first). Every K x output dtype x tile, odd M, N not a multiple of the column tile,
 K with an odd count of 64-k units. Skips off Hopper or on a build without 9.0a.
@@ -11,7 +11,7 @@ import torch
 
 import gemm_cases
 from fp8_cases import check, random_weight
-from vllm_kbit import fp8_act, ops
+from vllm_kbit import fp8, ops
 
 pytestmark = pytest.mark.gpu
 
@@ -60,7 +60,7 @@ def test_scales_and_zero_rows():
     x = torch.zeros(5, 256, device="cuda", dtype=torch.float16)
     x[1] = torch.randn(256, device="cuda").half() * 1e-3
     xq, s = torch.ops.kbit.quantize_act_fp8(x, 3)
-    xq_ref, s_ref = fp8_act.quantize_act(x, 3)
+    xq_ref, s_ref = fp8.quantize_act(x, 3)
     assert torch.equal(s, s_ref) and torch.equal(xq.view(torch.uint8), xq_ref.view(torch.uint8))
     assert (xq[0].view(torch.uint8) == 0).all()
 
@@ -68,7 +68,7 @@ def test_scales_and_zero_rows():
 def test_cuda_graph():
     n, k, bits = 520, 2048, 4
     qweight, e4m4, packed, absmax, cb = random_weight(n, k, bits, 7)
-    w_exp = fp8_act.weight_exponent(e4m4)
+    w_exp = fp8.weight_exponent(e4m4)
     x = torch.randn(200, k, device="cuda").half()
     graph, y = gemm_cases.capture_graph(lambda: torch.ops.kbit.gemm_fp8(x, packed, absmax, cb, bits, n, k, w_exp))
     for _ in range(2):
@@ -82,7 +82,7 @@ def test_errors():
     _, e4m4, packed, absmax, cb = random_weight(n, k, bits, 3)
     x = torch.randn(8, k, device="cuda").half()
     with pytest.raises(RuntimeError, match="w_exp"):
-        torch.ops.kbit.gemm_fp8(x, packed, absmax, cb, bits, n, k, fp8_act.MAX_WEIGHT_EXP + 1)
+        torch.ops.kbit.gemm_fp8(x, packed, absmax, cb, bits, n, k, fp8.MAX_WEIGHT_EXP + 1)
     with pytest.raises(RuntimeError, match="packed"):
         torch.ops.kbit.gemm_fp8(x, packed[:-1], absmax, cb, bits, n, k, 0)
     xq, s = torch.ops.kbit.quantize_act_fp8(x, bits)

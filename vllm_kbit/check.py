@@ -115,9 +115,9 @@ def _moe_self_test() -> str:
 
 def _fp8_self_test() -> str:
     """Run kbit::gemm_fp8 (FP8 activations) once on a random bf16 problem; the kernel its plan
-    names and its relative error against fp8_act's float64 function of the same operands."""
+    names and its relative error against fp8.py's float64 function of the same operands."""
     from vllm_kbit import format as kf
-    from vllm_kbit import fp8_act
+    from vllm_kbit import fp8
     from vllm_kbit import ops
 
     m, n, k, bits = 64, 256, 512, 4
@@ -125,12 +125,12 @@ def _fp8_self_test() -> str:
     cb = kf.default_codebook(bits, "cuda")
     q, a, _ = ops.quantize(w.to(torch.bfloat16), bits, cb)
     packed, absmax = ops.repack(q, a, bits)
-    w_exp = fp8_act.weight_exponent(a)
+    w_exp = fp8.weight_exponent(a)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     y = ops.gemm_fp8(x, packed, absmax, cb, bits, n, k, w_exp)
     torch.cuda.synchronize()
-    xq, scale = fp8_act.quantize_act_natural(x)
-    ref = fp8_act.gemm_from_quantized(xq, scale, fp8_act.weight_e4m3(q, a, bits, cb, w_exp), w_exp, None, torch.float64)
+    xq, scale = fp8.quantize_activations(x)
+    ref = fp8.linear_quantized(xq, scale, fp8.decode_weight(q, a, cb, bits, w_exp), w_exp)
     err = ((y.double() - ref).norm() / ref.norm()).item()
     if not err < _TOL:  # (NaN too)
         raise RuntimeError(f"relative error {err:.2e} against float64 (want < {_TOL})")

@@ -15,7 +15,7 @@ as opaque and hand it back to `gemm` unchanged.
                  num_tokens_post_padded, block_m, top_k, topk_weights?) -> y[T*top_k, n]
   kbit::dequantize_experts(packed[E], absmax[E], codebook, bits, n, k, dtype) -> W[E, n, k]
   kbit::gemm_fp8(x, packed, absmax, codebook, bits, n, k, w_exp, bias?) -> y[M, n]
-      FP8 (e4m3) activations, per-token scales; w_exp: fp8_act.weight_exponent of the layer
+      FP8 (e4m3) activations, per-token scales; w_exp: fp8.weight_exponent of the layer
   kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the kernel's k order, s_x fp32 [M])
   kbit::gemm_fp8_quantized(x_q, s_x, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias?,
                            overrides="") -> y   (plan overrides: "fp8.tile_m=256" forces the
@@ -36,7 +36,6 @@ import os
 import torch
 
 from vllm_kbit import format as kf
-from vllm_kbit import fp8_act
 
 _lib = torch.library.Library("kbit", "DEF")
 _lib.define("repack(Tensor qweight, Tensor absmax, int bits) -> (Tensor, Tensor)")
@@ -212,18 +211,22 @@ def _dequantize_experts_ref(packed, absmax, codebook, bits, n, k, dtype):
     return out
 
 
+# The FP8 references are vllm_kbit.fp8's (imported when called: fp8 imports this module).
 def _gemm_fp8_ref(x, packed, absmax, codebook, bits, n, k, w_exp, bias=None):
-    return fp8_act.gemm_ref(x, packed, absmax, codebook, bits, n, k, w_exp, bias)
+    from vllm_kbit import fp8
+    return fp8.gemm_fp8_reference(x, packed, absmax, codebook, bits, n, k, w_exp, bias)
 
 
 def _quantize_act_fp8_ref(x, bits):
-    return fp8_act.quantize_act(x, bits)
+    from vllm_kbit import fp8
+    return fp8.quantize_act(x, bits)
 
 
 def _gemm_fp8_quantized_ref(x_q, x_scale, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias=None,
                             overrides=""):
-    w_q = fp8_act.weight_e4m3(packed, absmax, bits, codebook, w_exp)
-    return fp8_act.gemm_from_quantized(fp8_act.unpermute(x_q, bits), x_scale, w_q, w_exp, bias, dtype).to(dtype)
+    from vllm_kbit import fp8
+    w_q = fp8.decode_weight(packed, absmax, codebook, bits, w_exp)
+    return fp8.linear_quantized(fp8.unpermute(x_q, bits), x_scale.unsqueeze(1), w_q, w_exp, bias).to(dtype)
 
 
 _REF_KEYS = ["CPU"] if HAS_CUDA_KERNELS else ["CPU", "CUDA"]
@@ -304,8 +307,8 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: 
 
 def gemm_fp8(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
              bits: int, n: int, k: int, w_exp: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W^T (+ bias) with x quantized per token to e4m3 (fp8_act describes the function);
-    w_exp: fp8_act.weight_exponent of the layer's absmax, computed once at load time."""
+    """y = x @ W^T (+ bias) with x quantized per token to e4m3 (vllm_kbit.fp8 describes the function);
+    w_exp: fp8.weight_exponent of the layer's absmax, computed once at load time."""
     if x.shape[-1] != k:
         raise ValueError(f"kbit gemm_fp8: x has {x.shape[-1]} features in its last dim, the layer expects k = {k}")
     y = torch.ops.kbit.gemm_fp8(x.reshape(-1, k).contiguous(), packed, absmax, codebook, bits, n, k, w_exp, bias)

@@ -1,6 +1,6 @@
 // kbit GEMM with FP8 (e4m3) activations on Hopper's wgmma (sm_90a), for the tensor-core range
 // of M: y[M, N] = (x_q[M, K] @ w_q[N, K]^T) * s_x[m] * 2^-r (+ bias), torch-free. The function
-// it computes, operand roundings included, is vllm_kbit/fp8_act.py's reference (gemm_fp8_ref).
+// it computes, operand roundings included, is vllm_kbit/fp8.py's reference (gemm_fp8_reference).
 //
 // Same scheme as the fp16 wgmma kernel (wgmma/kernel.cuh): Y^T = W X^T, the weights
 // decoded in registers as wgmma's register-sourced A operand, x by TMA in shared memory as B.
@@ -13,7 +13,7 @@
 //     2t+17, 2t+24, 2t+25} of each block. A dot product does not care about k order, so each
 //     lane packs its own eight weights into its eight positions, and the activation quantizer
 //     (quantize_act_kernel below) writes x_q with k permuted inside each 32-block to match
-//     (act_source_k; the Python mirror is fp8_act.k_permutation).
+//     (act_source_k; the Python mirror is fp8.k_permutation).
 //   * CTA: one consumer warpgroup and a producer warp, 128 columns (two 64-column slabs) x MT tokens. Warp w decodes slab
 //     w & 1, row tiles 2 (w >> 1) and 2 (w >> 1) + 1 of it, i.e. plane word h = w >> 1 of each
 //     block, so each wgmma m64 takes one row tile from each warp (the epilogue maps rows back).
