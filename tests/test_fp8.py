@@ -202,7 +202,7 @@ def test_linear_fp8_op_schema_and_fake():
 
 def test_kernel_available_follows_the_extension(monkeypatch):
     # without the extension the reference serves (no reason to refuse); with it, only a Hopper
-    # build's kernel (kbit::has_wgmma) reads its layout
+    # build's kernel (kbit::has_fp8) reads its layout
     monkeypatch.setattr(ops, "HAS_CUDA_KERNELS", False)
     assert not fp8.kernel_available() and fp8.unavailable_reason() is None
     monkeypatch.setattr(ops, "HAS_CUDA_KERNELS", True)

@@ -188,9 +188,9 @@ def gemm_fp8_reference(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tens
 def kernel_available() -> bool:
     """Whether this process runs the CUDA FP8 kernel: the extension is loaded (its
     fp8_binding.cpp registers kbit::gemm_fp8, quantize_act_fp8 and gemm_fp8_quantized for CUDA)
-    and kbit::has_wgmma says its sm_90a code is built and the GPU is a Hopper (compute
-    capability 9.0), the same condition the FP8 kernel checks before it launches."""
-    return ops.HAS_CUDA_KERNELS and torch.cuda.is_available() and bool(torch.ops.kbit.has_wgmma())
+    and kbit::has_fp8 (ops.has_fp8) says its sm_90a code is built and the GPU is a Hopper
+    (compute capability 9.0), the condition the FP8 kernel checks before it launches."""
+    return ops.HAS_CUDA_KERNELS and torch.cuda.is_available() and ops.has_fp8()
 
 
 def unavailable_reason() -> str | None:
