@@ -13,24 +13,19 @@ from vllm_kbit import format as kf
 from vllm_kbit import fp8
 from vllm_kbit import ops
 
+import gemm_cases
+from gemm_cases import poison
+
 ACC_EPS = 2.0 ** -12
 OUT_EPS = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 
 
 def random_weight(n, k, bits, seed, codes=(0x70, 0xA0)):
     """(qweight, absmax codes) in the checkpoint layout, (packed, absmax) tiled, codebook."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    idx = torch.randint(0, 1 << bits, (n, k), generator=g, device="cuda").to(torch.uint8)
-    e4m4 = torch.randint(codes[0], codes[1], (n, k // 32), generator=g, device="cuda").to(torch.uint8)
+    idx, e4m4 = gemm_cases.random_codes(n, k, bits, seed, codes)
     qweight = kf.pack_bitplanes(idx, bits)
     packed, absmax = torch.ops.kbit.repack(qweight, e4m4, bits)
     return qweight, e4m4, packed, absmax, kf.normal_float_codebook(bits, "cuda")
-
-
-def poison(rows, cols, dtype):
-    """NaN-fill the block the op's next output of this size will be allocated from."""
-    p = torch.full((rows, cols), float("nan"), dtype=dtype, device="cuda")
-    del p
 
 
 def reference(xq, scale, qweight, e4m4, cb, bits, w_exp, bias):

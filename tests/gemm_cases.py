@@ -23,13 +23,19 @@ def overrides():
     return ops.plan_overrides(OVERRIDES)
 
 
-def random_weight(n, k, bits, seed, codes=(0x70, 0xA0)):
-    """(packed, absmax_packed, codebook, W float64 [n, k]): random codebook indices and E4M4
-    codes in [codes[0], codes[1]) in the checkpoint layout, tiled by kbit::repack.
-    The default codes are realistic absmax values 2^-4 .. 2^-1."""
+def random_codes(n, k, bits, seed, codes=(0x70, 0xA0)):
+    """(indices uint8 [n, k], E4M4 codes uint8 [n, k/32]) on the GPU: random codebook indices and
+    codes in [codes[0], codes[1]). The default codes are realistic absmax values 2^-4 .. 2^-1."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     idx = torch.randint(0, 1 << bits, (n, k), generator=g, device="cuda").to(torch.uint8)
     e4m4 = torch.randint(codes[0], codes[1], (n, k // 32), generator=g, device="cuda").to(torch.uint8)
+    return idx, e4m4
+
+
+def random_weight(n, k, bits, seed, codes=(0x70, 0xA0)):
+    """(packed, absmax_packed, codebook, W float64 [n, k]): random_codes in the checkpoint
+    layout, tiled by kbit::repack."""
+    idx, e4m4 = random_codes(n, k, bits, seed, codes)
     packed, absmax = torch.ops.kbit.repack(kf.pack_bitplanes(idx, bits), e4m4, bits)
     cb = kf.normal_float_codebook(bits, "cuda")
     w = cb.double()[idx.long()] * kf.decode_e4m4(e4m4).double().repeat_interleave(32, dim=1)
@@ -58,10 +64,15 @@ def sanitize_case(path, m, n, k, bits, dtype, bias, splits=0):
     return kc.compare(y, ref) is None, err
 
 
+def poison(rows, cols, dtype):
+    """NaN-fill the block the op's next output of this size will be allocated from (same size,
+    same stream: the caching allocator hands it out again)."""
+    p = torch.full((rows, cols), float("nan"), dtype=dtype, device="cuda")
+    del p
+
+
 def run(path, x, packed, absmax, cb, bits, n, k, bias=None, splits=0):
-    # NaN-poison the block the op's output will be allocated from (same size, same stream).
-    poison = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
-    del poison
+    poison(x.shape[0], n, x.dtype)
     return torch.ops.kbit.gemm_path(x, packed, absmax, cb, bits, n, k, bias, path, splits, overrides())
 
 
