@@ -175,8 +175,7 @@ def gemm_fp8_reference(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tens
     """The FP8-activation layer function (steps 1-4) in float64 on the checkpoint layout
     (packed [n, k/32*bits], absmax [n, k/32]), for x[..., k] -> y[..., n]: kbit::gemm_fp8's
     reference."""
-    if x.shape[-1] != k:
-        raise ValueError(f"kbit gemm_fp8: x has {x.shape[-1]} features in its last dim, the layer expects k = {k}")
+    ops.check_features(x, k, "gemm_fp8")
     w_q = decode_weight(packed, absmax, codebook, bits, w_exp)
     if w_q.shape != (n, k):
         raise ValueError(f"kbit gemm_fp8: the weight decodes to {tuple(w_q.shape)}, the layer expects ({n}, {k})")
@@ -223,7 +222,5 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: 
     """A kbit layer with FP8 activations, x[..., k] -> y[..., n]: the 16-bit GEMV for M <= 16
     rows (GEMV_MAX_M), the FP8 function above it (the CUDA kernel where built, else the
     reference)."""
-    if x.shape[-1] != k:
-        raise ValueError(f"kbit gemm_fp8: x has {x.shape[-1]} features in its last dim, the layer expects k = {k}")
-    y = torch.ops.kbit.linear_fp8(x.reshape(-1, k).contiguous(), packed, absmax, codebook, bits, n, k, w_exp, bias)
-    return y.reshape(*x.shape[:-1], n)
+    return ops.over_tokens(torch.ops.kbit.linear_fp8, x, n, k, packed, absmax, codebook, bits, n, k, w_exp, bias,
+                           name="gemm_fp8")

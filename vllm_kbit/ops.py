@@ -296,23 +296,31 @@ def repack(qweight: torch.Tensor, absmax: torch.Tensor, bits: int) -> tuple[torc
     return torch.ops.kbit.repack(qweight, absmax, bits)
 
 
+def check_features(x: torch.Tensor, k: int, op: str) -> None:
+    """A ValueError naming `op` where x's last dim is not the layer's k."""
+    if x.shape[-1] != k:
+        raise ValueError(f"kbit {op}: x has {x.shape[-1]} features in its last dim, the layer expects k = {k}")
+
+
+def over_tokens(op, x: torch.Tensor, n: int, k: int, *args, name: str) -> torch.Tensor:
+    """op(x as a contiguous [M, k], *args) -> [M, n], returned as [..., n] for x [..., k]: the ops
+    take 2-D activations."""
+    check_features(x, k, name)
+    return op(x.reshape(-1, k).contiguous(), *args).reshape(*x.shape[:-1], n)
+
+
 def gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
          bits: int, n: int, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [..., k]; the GEMV / tensor-core choice is made inside."""
-    if x.shape[-1] != k:
-        raise ValueError(f"kbit gemm: x has {x.shape[-1]} features in its last dim, the layer expects k = {k}")
-    y = torch.ops.kbit.gemm(x.reshape(-1, k).contiguous(), packed, absmax, codebook, bits, n, k, bias)
-    return y.reshape(*x.shape[:-1], n)
+    return over_tokens(torch.ops.kbit.gemm, x, n, k, packed, absmax, codebook, bits, n, k, bias, name="gemm")
 
 
 def gemm_fp8(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
              bits: int, n: int, k: int, w_exp: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T (+ bias) with x quantized per token to e4m3 (vllm_kbit.fp8 describes the function);
     w_exp: fp8.weight_exponent of the layer's absmax, computed once at load time."""
-    if x.shape[-1] != k:
-        raise ValueError(f"kbit gemm_fp8: x has {x.shape[-1]} features in its last dim, the layer expects k = {k}")
-    y = torch.ops.kbit.gemm_fp8(x.reshape(-1, k).contiguous(), packed, absmax, codebook, bits, n, k, w_exp, bias)
-    return y.reshape(*x.shape[:-1], n)
+    return over_tokens(torch.ops.kbit.gemm_fp8, x, n, k, packed, absmax, codebook, bits, n, k, w_exp, bias,
+                       name="gemm_fp8")
 
 
 def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = None,
