@@ -116,15 +116,6 @@ def greedy_mismatches(ref: list[dict], got: list[dict], tol: float) -> list[str]
     return problems
 
 
-def first_divergence(ref: list[dict], got: list[dict]) -> float:
-    """Mean over prompts of the fraction of greedy steps before the first difference."""
-    fr = []
-    for r, g in zip(ref, got):
-        i = next((i for i, (a, b) in enumerate(zip(r["ids"], g["ids"])) if a != b), len(r["ids"]))
-        fr.append(i / max(1, len(r["ids"])))
-    return sum(fr) / len(fr)
-
-
 # ----------------------------------------------------------------------------- engines
 
 def run_engine(model: Path, out: Path, engine: dict, jobs: list[dict], adapters: dict | None = None,

@@ -193,15 +193,6 @@ def gain_names(names) -> list[str]:
             (n.endswith("layernorm.weight") and _LAYER.fullmatch(n))]
 
 
-def rotate_state_dict(sd: dict[str, torch.Tensor], config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The rotated copy of a whole state dict (in memory; `rotate_checkpoint` streams)."""
-    rot = Rotator(config, {n: sd[n] for n in gain_names(sd)}, seed)
-    out = {}
-    for name, t in sd.items():
-        out.update(rot.rotate(name, t))
-    return out
-
-
 def rotated_config(config: dict, rot: Rotator) -> dict:
     config = dict(config)
     if rot.untie:
