@@ -578,6 +578,19 @@ def moe_model(request, tmp_path_factory):
     return request.param, src, root / "kbit3"
 
 
+def _assert_experts_compute(experts, deq, projections, gen):
+    """A loaded layer's experts against the float64 experts deq(e, proj) decodes from the
+    checkpoint (gate rows, then up rows, in w13), on random tokens and routing."""
+    gate, up, down = projections
+    num = experts.w13_qweight.shape[0]
+    w13 = torch.stack([torch.cat([deq(e, gate), deq(e, up)]) for e in range(num)])
+    w2 = torch.stack([deq(e, down) for e in range(num)])
+    weights, ids = routing(9, num, experts.top_k, gen)
+    x = torch.randn(9, w13.shape[2], generator=gen).to(torch.bfloat16)
+    assert rel_err(run_layer(experts, x, weights, ids),
+                   _experts_reference(x, w13, w2, weights, ids, MoEActivation.SILU)) < 3e-2
+
+
 def test_vllm_model_loads_converted_experts(moe_model):
     """The architecture's own load_weights maps every per-expert kbit tensor into the layer
     (gate rows, then up rows), routers stay float, a shared expert is kbit; each layer's
@@ -600,13 +613,7 @@ def test_vllm_model_loads_converted_experts(moe_model):
         def deq(e, proj):
             p = f"model.layers.{i}.{block}.experts.{e}.{proj}"
             return kf.dequantize(ckpt[p + ".qweight"], ckpt[p + ".absmax"], 3, codebook, dtype=torch.float64)
-        num = experts.w13_qweight.shape[0]
-        w13 = torch.stack([torch.cat([deq(e, gate), deq(e, up)]) for e in range(num)])
-        w2 = torch.stack([deq(e, down) for e in range(num)])
-        weights, ids = routing(9, num, experts.top_k, gen)
-        x = torch.randn(9, w13.shape[2], generator=gen).to(torch.bfloat16)
-        assert rel_err(run_layer(experts, x, weights, ids),
-                       _experts_reference(x, w13, w2, weights, ids, MoEActivation.SILU)) < 3e-2
+        _assert_experts_compute(experts, deq, (gate, up, down), gen)
 
 
 def test_vllm_model_reports_a_missing_expert_tensor(moe_model, tmp_path):
@@ -796,9 +803,4 @@ def test_vllm_model_serves_fitted_expert_codebooks(moe_model):
             q = f"{p}.{e}.{proj}"
             return kf.dequantize(ckpt[q + ".qweight"], ckpt[q + ".absmax"], 3, ckpt[q + ".codebook"],
                                  dtype=torch.float64)
-        w13 = torch.stack([torch.cat([deq(e, gate), deq(e, up)]) for e in range(num)])
-        w2 = torch.stack([deq(e, down) for e in range(num)])
-        weights, ids = routing(9, num, experts.top_k, gen)
-        x = torch.randn(9, w13.shape[2], generator=gen).to(torch.bfloat16)
-        assert rel_err(run_layer(experts, x, weights, ids),
-                       _experts_reference(x, w13, w2, weights, ids, MoEActivation.SILU)) < 3e-2
+        _assert_experts_compute(experts, deq, (gate, up, down), gen)
