@@ -63,6 +63,14 @@ def arch_covered(arch_list: str, major: int, minor: int) -> bool:
     return False
 
 
+def _checked_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """y's relative error against the float64 ref, or a RuntimeError above _TOL (NaN too)."""
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    if not err < _TOL:
+        raise RuntimeError(f"relative error {err:.2e} against float64 (want < {_TOL})")
+    return err
+
+
 def _self_test(name: str, path: int, m: int) -> str:
     """Run one kernel path on a random bf16 problem; the kernel that ran (its key) and its
     relative error against float64."""
@@ -79,9 +87,7 @@ def _self_test(name: str, path: int, m: int) -> str:
     torch.cuda.synchronize()
     kernel = ops.gemm_kernel(m, n, k, bits, torch.bfloat16, path)
     ref = x.double() @ kf.dequantize(q, a, bits, cb, dtype=torch.float64).t()
-    err = ((y.double() - ref).norm() / ref.norm()).item()
-    if not err < _TOL:  # (NaN too)
-        raise RuntimeError(f"relative error {err:.2e} against float64 (want < {_TOL})")
+    err = _checked_error(y, ref)
     return f"{name} (M = {m}, {kernel}): ok, relative error {err:.1e}"
 
 
@@ -106,9 +112,7 @@ def _moe_self_test() -> str:
     torch.cuda.synchronize()
     ref = torch.stack([x[p // top_k].double() @ kf.dequantize(q[e], a[e], bits, cb, dtype=torch.float64).t()
                        for p, e in enumerate(ids)])
-    err = ((y.double() - ref).norm() / ref.norm()).item()
-    if not err < _TOL:  # (NaN too)
-        raise RuntimeError(f"relative error {err:.2e} against float64 (want < {_TOL})")
+    err = _checked_error(y, ref)
     kernel = ops.moe_kernel(bits, torch.bfloat16)
     return f"MoE experts (moe_gemm, {m} tokens x top-{top_k}, {kernel}): ok, relative error {err:.1e}"
 
@@ -131,9 +135,7 @@ def _fp8_self_test() -> str:
     torch.cuda.synchronize()
     xq, scale = fp8.quantize_activations(x)
     ref = fp8.linear_quantized(xq, scale, fp8.decode_weight(q, a, cb, bits, w_exp), w_exp)
-    err = ((y.double() - ref).norm() / ref.norm()).item()
-    if not err < _TOL:  # (NaN too)
-        raise RuntimeError(f"relative error {err:.2e} against float64 (want < {_TOL})")
+    err = _checked_error(y, ref)
     kernel = ops.fp8_plan(m, n, k, bits, torch.bfloat16).kernel
     return f"FP8 activations (gemm_fp8, M = {m}, {kernel}): ok, relative error {err:.1e}"
 
