@@ -5,12 +5,16 @@ activations (torch.ops.kbit.gemm) and cuBLAS in the activation dtype.
 
 Rows per (shape, M, method), microseconds (bench_gemm.Timer: L2 flushed before each call, CUDA
 events, median):
-  kbit-fp8 K=b        the op as a layer calls it: x quantization + GEMM
-  kbit-fp8 K=b gemm   the GEMM alone on a quantized x (kbit::gemm_fp8_quantized)
+  kbit-fp8 K=b        the op as a layer calls it (the plan's path): x quantization + GEMM
+  ... fused / decode-first   the same with the path forced (plan override fp8.decode_first): the
+                      fused kernel, or kbit::decode_fp8 + natural-order x + an FP8 scaled_mm
+  kbit-fp8 K=b gemm   the fused GEMM alone on a quantized x (kbit::gemm_fp8_quantized)
+  decode_fp8 K=4      the decode-first path's weight decode alone
   K=4 gemm MxN        the same at K=4 with the CTA tile forced (--tiles; tokens x columns)
   fp8-quant           kbit's activation quantizer alone
   scaled_mm           torch._scaled_mm, x and W already e4m3 (the GEMM alone)
-  cutlass_scaled_mm   vLLM's, same operands; vllm-fp8-quant: vLLM's per-token quantizer
+  cutlass_scaled_mm   vLLM's, same operands; vllm-fp8-quant: vLLM's per-token quantizer;
+  vllm-w8a8           vLLM's FP8 layer: its per-token quantizer + cutlass_scaled_mm
   kbit-fp16act K=4    torch.ops.kbit.gemm
   cublas              x @ W^T in the activation dtype
 The output is bf16 by default: torch._scaled_mm's row-wise scaling supports only bf16 output.
@@ -91,6 +95,9 @@ def main():
             for b in bits_list:
                 packed, absmax, cb, r = weights[b]
                 t[f"kbit-fp8 K={b}"] = timer(lambda: torch.ops.kbit.gemm_fp8(x, packed, absmax, cb, b, n, k, r))
+                for label, forced in (("fused", 0), ("decode-first", 1)):
+                    t[f"kbit-fp8 K={b} {label}"] = timer(lambda: torch.ops.kbit.gemm_fp8_path(
+                        x, packed, absmax, cb, b, n, k, r, None, f"fp8.decode_first={forced}"))
                 xq, s = torch.ops.kbit.quantize_act_fp8(x, b)
                 t[f"kbit-fp8 K={b} gemm"] = timer(
                     lambda: torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, b, n, k, r, dt))
@@ -102,11 +109,18 @@ def main():
                     lambda: torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, 4, n, k, r, dt, None,
                                                               f"fp8.tile_m={tm},fp8.tile_n={tn}"))
             t["fp8-quant"] = timer(lambda: torch.ops.kbit.quantize_act_fp8(x, 4))
+            t["decode_fp8 K=4"] = timer(lambda: torch.ops.kbit.decode_fp8(packed, absmax, cb, 4, n, k, r))
             t["scaled_mm"] = timer(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=dt))
             if vops is not None:
                 t["cutlass_scaled_mm"] = timer(lambda: vops.cutlass_scaled_mm(x8, w8.t(), sx, sw.t().contiguous()
                                                                              .reshape(n, 1), dt))
                 t["vllm-fp8-quant"] = timer(lambda: vops.scaled_fp8_quant(x, use_per_token_if_dynamic=True))
+                swc = sw.t().contiguous().reshape(n, 1)
+
+                def w8a8():
+                    xq8, sx8 = vops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+                    return vops.cutlass_scaled_mm(xq8, w8.t(), sx8, swc, dt)
+                t["vllm-w8a8"] = timer(w8a8)
             packed, absmax, cb, _ = weights[4]
             t["kbit-fp16act K=4"] = timer(lambda: torch.ops.kbit.gemm(x, packed, absmax, cb, 4, n, k, None))
             t["cublas"] = timer(lambda: x @ w.t())

@@ -1,7 +1,13 @@
 // Torch binding of the FP8-activation kbit GEMM (wgmma_fp8/): checks, allocation with the torch
 // allocator, launch on the current stream. Schemas are defined in Python (vllm_kbit/ops.py):
-//   kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the GEMM's k order, s_x [M] fp32)
-//   kbit::gemm_fp8(x, packed, absmax, codebook, bits, n, k, w_exp, bias?) -> y [M, n]
+//   kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the GEMM's k order for bits, or in
+//       natural order for bits = 0, s_x [M] fp32)
+//   kbit::gemm_fp8(x, packed, absmax, codebook, bits, n, k, w_exp, bias?) -> y [M, n]: the plan's
+//       path: the fused kernel, or (from fp8_decode_min_m tokens, where an FP8 GEMM is at hand)
+//       decode_fp8 + x in natural order + vLLM's / torch's scaled_mm
+//   kbit::gemm_fp8_path(..., bias?, overrides) -> y: gemm_fp8 with plan overrides (fp8.decode_first)
+//   kbit::decode_fp8(packed, absmax, codebook, bits, n, k, w_exp) -> w_q e4m3 [n, k]: the
+//       weights as gemm_fp8 decodes them, once, for the large-M path (an FP8 GEMM follows)
 //   kbit::gemm_fp8_quantized(x_q, s_x, packed, absmax, codebook, bits, n, k, w_exp, dtype,
 //                            bias?, overrides="") -> y
 //       overrides: plan overrides (dispatch/overrides.h; fp8.tile_m / fp8.tile_n force the tile)
@@ -11,6 +17,8 @@
 // One plan a call (dispatch/fp8_plan.h), the launch of the kernel its key names. No host sync and
 // a grid from shapes only: graph-capturable.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -20,6 +28,7 @@
 #include <vector>
 
 #include "dispatch/fp8_plan.h"
+#include "dispatch/launchers.h"
 #include "dispatch/heuristics.h"
 #include "dispatch/overrides.h"
 #include "dispatch/plan_fields.h"
@@ -81,7 +90,9 @@ void check_weight(const char* op, const at::Tensor& packed, const at::Tensor& ab
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_act_fp8(const at::Tensor& x, int64_t bits) {
-  TORCH_CHECK(bits >= 2 && bits <= 5, "kbit::quantize_act_fp8: bits must be 2, 3, 4 or 5, got " + str(bits));
+  TORCH_CHECK(bits == 0 || (bits >= 2 && bits <= 5),
+              "kbit::quantize_act_fp8: bits must be 2, 3, 4 or 5 (the GEMM's k order), or 0 (natural order), got " +
+                  str(bits));
   TORCH_CHECK(x.dim() == 2, "kbit::quantize_act_fp8: x must be 2-D [M, K]");
   check_dense(x, "quantize_act_fp8", "x", x.scalar_type(), x);
   const DType dt = out_type(x.scalar_type(), "quantize_act_fp8");
@@ -99,6 +110,18 @@ std::tuple<at::Tensor, at::Tensor> quantize_act_fp8(const at::Tensor& x, int64_t
                                  int(k), int(bits), at::cuda::getCurrentCUDAStream()),
              "quantize_act_fp8");
   return {xq, scale};
+}
+
+at::Tensor decode_fp8(const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook, int64_t bits,
+                      int64_t n, int64_t k, int64_t w_exp) {
+  check_weight("decode_fp8", packed, absmax, codebook, bits, n, k, w_exp, packed);
+  const c10::cuda::CUDAGuard guard(packed.device());
+  at::Tensor w = at::empty({n, k}, packed.options().dtype(at::kFloat8_e4m3fn));
+  check_cuda(launch_decode_fp8(reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), absmax.data_ptr<uint8_t>(),
+                               codebook.data_ptr<float>(), int(w_exp), static_cast<uint8_t*>(w.data_ptr()), int(n),
+                               int(k), int(bits), at::cuda::getCurrentCUDAStream()),
+             "decode_fp8");
+  return w;
 }
 
 at::Tensor gemm_fp8_quantized(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& packed,
@@ -141,12 +164,77 @@ at::Tensor gemm_fp8_quantized(const at::Tensor& xq, const at::Tensor& x_scale, c
   return y;
 }
 
-at::Tensor gemm_fp8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
-                    int64_t bits, int64_t n, int64_t k, int64_t w_exp, const c10::optional<at::Tensor>& bias) {
+// vLLM's CUTLASS FP8 GEMM, torch.ops._C.cutlass_scaled_mm(out, a, b, a_scales, b_scales, bias?),
+// where vLLM's extension is loaded in this process (looked up on every call: it may load later).
+c10::optional<c10::OperatorHandle> vllm_scaled_mm() {
+  return c10::Dispatcher::singleton().findSchema({"_C::cutlass_scaled_mm", ""});
+}
+
+// Whether an FP8 GEMM with per-token x scales serves an [*, n] output of `dtype`: vLLM's (fp16 and
+// bf16, n % 16 == 0), else torch's row-wise _scaled_mm (bf16 output only).
+bool scaled_mm_at_hand(at::ScalarType dtype, int64_t n) {
+  if (n % 16 != 0) return false;
+  return vllm_scaled_mm().has_value() || dtype == at::kBFloat16;
+}
+
+// The decode-first path: W to e4m3 once (decode_fp8: the fused kernel's rounding), x per token in
+// natural k order, one FP8 GEMM: y = (x_q @ w_q^T) * s_x[m] * 2^-r (+ bias), fp32 accumulation.
+at::Tensor gemm_fp8_decoded(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
+                            const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k, int64_t w_exp,
+                            const at::Tensor* bias) {
+  const auto [xq, sx] = quantize_act_fp8(x, 0);
+  const at::Tensor wq = decode_fp8(packed, absmax, codebook, bits, n, k, w_exp);
+  const at::Tensor sa = sx.view({-1, 1});
+  const double w_scale = std::ldexp(1.0, -int(w_exp));
+  if (const auto op = vllm_scaled_mm()) {
+    at::Tensor y = at::empty({x.size(0), n}, x.options());
+    const at::Tensor sb = at::full({1}, w_scale, sx.options());
+    torch::jit::Stack stack{y, xq, wq.t(), sa, sb, bias != nullptr ? c10::IValue(*bias) : c10::IValue()};
+    op->callBoxed(&stack);
+    return y;
+  }
+  const at::Tensor sb = at::full({1, n}, w_scale, sx.options());
+  at::Tensor y = at::_scaled_mm(xq, wq.t(), sa, sb, c10::nullopt, c10::nullopt, x.scalar_type(), false);
+  if (bias != nullptr) y.add_(*bias);
+  return y;
+}
+
+Fp8Plan plan_for(int64_t m, int64_t n, int64_t bits, at::ScalarType dtype, const Fp8Overrides& o, const char* op) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return plan(device_heuristics(), int(m), int(n), int(bits), out_type(dtype, op), sms, o, scaled_mm_at_hand(dtype, n));
+}
+
+at::Tensor gemm_fp8_planned(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
+                            const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k, int64_t w_exp,
+                            const c10::optional<at::Tensor>& bias, const Fp8Overrides& o, c10::string_view overrides) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "kbit::gemm_fp8: x must be [M, k = " + str(k) + "]");
   check_weight("gemm_fp8", packed, absmax, codebook, bits, n, k, w_exp, x);
+  const at::Tensor* b = bias.has_value() && bias->defined() ? &*bias : nullptr;
+  if (b != nullptr) {
+    check_dense(*b, "gemm_fp8", "bias", x.scalar_type(), x);
+    TORCH_CHECK(b->numel() == n, "kbit::gemm_fp8: bias has " + str(b->numel()) + " elements, expected n = " + str(n));
+  }
+  if (x.size(0) > 0) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    if (plan_for(x.size(0), n, bits, x.scalar_type(), o, "gemm_fp8").decode_first)
+      return gemm_fp8_decoded(x, packed, absmax, codebook, bits, n, k, w_exp, b);
+  }
   const auto [xq, scale] = quantize_act_fp8(x, bits);
-  return gemm_fp8_quantized(xq, scale, packed, absmax, codebook, bits, n, k, w_exp, x.scalar_type(), bias, "");
+  return gemm_fp8_quantized(xq, scale, packed, absmax, codebook, bits, n, k, w_exp, x.scalar_type(), bias, overrides);
+}
+
+at::Tensor gemm_fp8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
+                    int64_t bits, int64_t n, int64_t k, int64_t w_exp, const c10::optional<at::Tensor>& bias) {
+  return gemm_fp8_planned(x, packed, absmax, codebook, bits, n, k, w_exp, bias, Fp8Overrides{}, "");
+}
+
+// kbit::gemm_fp8 with plan overrides (fp8.decode_first forces the path, fp8.tile_m / tile_n the
+// fused kernel's tile): the tests' and benchmarks' hook.
+at::Tensor gemm_fp8_path(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
+                         const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k, int64_t w_exp,
+                         const c10::optional<at::Tensor>& bias, c10::string_view overrides) {
+  const Fp8Overrides o = fp8_overrides(overrides, "gemm_fp8_path");
+  return gemm_fp8_planned(x, packed, absmax, codebook, bits, n, k, w_exp, bias, o, overrides);
 }
 
 // The plan kbit::gemm_fp8_quantized(..., overrides) launches for this shape on the current device
@@ -156,10 +244,8 @@ std::vector<int64_t> fp8_plan(int64_t m, int64_t n, int64_t k, int64_t bits, at:
   TORCH_CHECK(bits >= 2 && bits <= 5, "kbit::fp8_plan: bits must be 2, 3, 4 or 5, got " + str(bits));
   TORCH_CHECK(m > 0 && m < (int64_t(1) << 31) && n > 0 && n < (int64_t(1) << 31) && k > 0 && k % 32 == 0,
               "kbit::fp8_plan: bad shape (m " + str(m) + ", n " + str(n) + ", k " + str(k) + ")");
-  const DType dt = out_type(dtype, "fp8_plan");
   const Fp8Overrides o = fp8_overrides(overrides, "fp8_plan");
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return field_values(fp8_plan_fields(plan(device_heuristics(), int(m), int(n), int(bits), dt, sms, o)));
+  return field_values(fp8_plan_fields(plan_for(m, n, bits, dtype, o, "fp8_plan")));
 }
 
 // Whether this build and device run the FP8 GEMM and its activation quantizer.
@@ -178,4 +264,6 @@ TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
   m.impl("quantize_act_fp8", &kbit::fp8::quantize_act_fp8);
   m.impl("gemm_fp8", &kbit::fp8::gemm_fp8);
   m.impl("gemm_fp8_quantized", &kbit::fp8::gemm_fp8_quantized);
+  m.impl("decode_fp8", &kbit::fp8::decode_fp8);
+  m.impl("gemm_fp8_path", &kbit::fp8::gemm_fp8_path);
 }

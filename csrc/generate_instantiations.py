@@ -16,7 +16,9 @@ import sys
 ROOT = os.path.dirname(os.path.abspath(__file__))
 BITS = (2, 3, 4, 5)
 DTYPES = (("f16", "__half", "DType::kHalf"), ("bf16", "__nv_bfloat16", "DType::kBFloat16"))
-DTYPES_F32 = DTYPES + (("f32", "float", "DType::kFloat32"),)  # dequantize's output, quantize's input
+DTYPES_F32 = DTYPES + (("f32", "float", "DType::kFloat32"),)  # quantize's input
+# dequantize's output: e4m3 is the FP8 path's decoded weight (kbit::decode_fp8)
+DTYPES_DEQUANT = DTYPES_F32 + (("e4m3", "__nv_fp8_e4m3", "DType::kE4m3"),)
 LUT_BITS = (3, 4)  # the bit widths with a pair table in shared memory (core/decode.cuh, PairTable)
 
 
@@ -109,7 +111,7 @@ PARTS = {
     "fp8": ("wgmma_fp8/fp8_kernel.cuh", "wgmma_fp8/fp8_config.h", "fp8", "Fp8Kernel", "Fp8Key", fp8_family,
             "FP8-activation GEMM kernels (sm_90a)", "wgmma_fp8", DTYPES),
     "dequant": ("repack/dequant_kernel.cuh", "repack/repack_config.h", "repack", "DequantKernel", "DequantKey",
-                dequant_family, "dequantize kernels (rows and stacked experts)", "repack", DTYPES_F32),
+                dequant_family, "dequantize kernels (rows and stacked experts)", "repack", DTYPES_DEQUANT),
     "quant": ("repack/quant_kernel.cuh", "repack/repack_config.h", "repack", "QuantKernel", "QuantKey",
               quant_family, "quantize kernels", "repack", DTYPES_F32),
 }

@@ -78,7 +78,9 @@ def check(m, n, k, bits, dtype, bias=False, tile=(0, 0), x_scale=1.0, seed=0, fu
     if fused:
         poison(m, n, dtype)
         y2 = torch.ops.kbit.gemm_fp8(x, packed, absmax, cb, bits, n, k, w_exp, b)
-        if tile == (0, 0):
+        if ops.fp8_plan(m, n, k, bits, dtype).decode_first:  # another GEMM: the same bound, not the same bits
+            assert torch.isfinite(y2).all() and within(y2, ref, mag, dtype)[0].all(), f"gemm_fp8 (decode first) off {where}"
+        elif tile == (0, 0):
             assert torch.equal(y, y2), f"gemm_fp8 differs from quantize + gemm_fp8_quantized {where}"
         else:
             assert torch.isfinite(y2).all() and within(y2, ref, mag, dtype)[0].all(), f"gemm_fp8 off {where}"
@@ -89,4 +91,39 @@ def check(m, n, k, bits, dtype, bias=False, tile=(0, 0), x_scale=1.0, seed=0, fu
     if b is not None:
         bad = bad + b.double()
     assert not within(bad.to(dtype), ref, mag, dtype)[0][:, n // 2].all(), f"bound blind to one wrong block {where}"
+    return y
+
+
+def check_decode_first(m, n, k, bits, dtype, bias=False, seed=0):
+    """The decode-first path (kbit::gemm_fp8_path with fp8.decode_first=1): kbit::decode_fp8 bit for
+    bit against fp8.decode_weight, the natural-order quantizer bit for bit, the GEMM per element.
+    Where no FP8 GEMM serves the shape (n % 16 != 0) the plan falls back to the fused kernel."""
+    qweight, e4m4, packed, absmax, cb = random_weight(n, k, bits, 3000 * bits + n + 7 * k + seed)
+    w_exp = fp8.weight_exponent(e4m4)
+    b = (torch.randn(n, device="cuda") * 0.5).to(dtype) if bias else None
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    where = f"decode-first m={m} n={n} k={k} bits={bits} {dtype} bias={bias}"
+
+    torch.empty(n * k, dtype=torch.uint8, device="cuda").fill_(0x7F)  # e4m3 NaN where unwritten
+    w_q = torch.ops.kbit.decode_fp8(packed, absmax, cb, bits, n, k, w_exp)
+    w_ref = fp8.decode_weight(qweight, e4m4, cb, bits, w_exp)
+    mism = (w_q.view(torch.uint8) != w_ref.view(torch.uint8)).sum().item()
+    assert mism == 0, f"{mism} decoded e4m3 weights differ from fp8.decode_weight {where}"
+    xq, scale = torch.ops.kbit.quantize_act_fp8(x, 0)
+    xq_ref, scale_ref = fp8.quantize_act(x, 0)
+    assert torch.equal(scale, scale_ref) and torch.equal(xq.view(torch.uint8), xq_ref.view(torch.uint8)), where
+
+    overrides = ops.plan_overrides({"fp8.decode_first": 1})
+    plan = ops.fp8_plan(m, n, k, bits, dtype, overrides)
+    assert plan.decode_first == (n % 16 == 0), (plan, where)
+    poison(m, n, dtype)
+    y = torch.ops.kbit.gemm_fp8_path(x, packed, absmax, cb, bits, n, k, w_exp, b, overrides)
+    assert torch.isfinite(y).all(), f"non-finite output (unwritten?) {where}"
+    ref = fp8.linear_quantized(xq_ref, scale_ref.unsqueeze(1), w_ref, w_exp, b)
+    mag = (xq_ref.double().abs() @ w_ref.double().abs().t()) * scale_ref.double().unsqueeze(1) * 2.0 ** -w_exp
+    ok, err, bound = within(y, ref, mag, dtype)
+    if not ok.all():
+        i = int((~ok).nonzero()[0, 0]), int((~ok).nonzero()[0, 1])
+        raise AssertionError(f"{int((~ok).sum())} elements off {where}; first {i}: y={y[i].item()} "
+                             f"ref={ref[i].item()} err={err[i].item():.3e} bound={bound[i].item():.3e}")
     return y

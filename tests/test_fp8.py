@@ -257,6 +257,10 @@ def test_quantize_act_is_the_natural_quantizer_permuted(dtype):
         for blk in range(256 // 32):
             cols = slice(32 * blk, 32 * blk + 32)
             assert torch.equal(xq[:, cols].view(torch.uint8), xn[:, cols][:, perm].view(torch.uint8))
+    xq, s = torch.ops.kbit.quantize_act_fp8(x, 0)  # natural order: the decode-first path's
+    assert torch.equal(xq.double(), ref_q) and torch.equal(s, ref_s.squeeze(1))
+    with pytest.raises(ValueError, match="bits"):
+        fp8.quantize_act(x, 1)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         fp8.quantize_act(x.float(), 4)
     with pytest.raises(ValueError, match="K % 32 == 0"):
@@ -279,6 +283,8 @@ def test_cpu_ops_compute_the_reference(bits):
     y2 = torch.ops.kbit.gemm_fp8_quantized(xq, s, q, a, cb, bits, n, k, r, torch.bfloat16, bias)
     assert torch.equal(y, y2)
     assert torch.equal(ops.gemm_fp8(x.unsqueeze(0), q, a, cb, bits, n, k, r, bias)[0], y)
+    assert torch.equal(torch.ops.kbit.gemm_fp8_path(x, q, a, cb, bits, n, k, r, bias, "fp8.decode_first=1"), y)
+    assert torch.equal(torch.ops.kbit.decode_fp8(q, a, cb, bits, n, k, r).double(), w_q.double())
     # close to the 16-bit layer (e4m3 of x and w: a few percent)
     yf = x.double() @ kf.dequantize(q, a, bits, cb, dtype=torch.float64).t() + bias.double()
     assert ((y.double() - yf).norm() / yf.norm()).item() < 0.1
@@ -291,7 +297,12 @@ def test_fake_shapes():
         y = torch.ops.kbit.gemm_fp8(x, torch.empty(1, dtype=torch.int32), torch.empty(1, dtype=torch.uint8),
                                     torch.empty(16), 4, 96, 64, 0)
         xq, s = torch.ops.kbit.quantize_act_fp8(x, 4)
+        y2 = torch.ops.kbit.gemm_fp8_path(x, torch.empty(1, dtype=torch.int32), torch.empty(1, dtype=torch.uint8),
+                                          torch.empty(16), 4, 96, 64, 0, None, "fp8.decode_first=1")
+        w = torch.ops.kbit.decode_fp8(torch.empty(1, dtype=torch.int32), torch.empty(1, dtype=torch.uint8),
+                                      torch.empty(16), 4, 96, 64, 0)
     assert y.shape == (5, 96) and xq.shape == (5, 64) and xq.dtype == torch.float8_e4m3fn and s.shape == (5,)
+    assert y2.shape == (5, 96) and w.shape == (96, 64) and w.dtype == torch.float8_e4m3fn
 
 
 def emulate_kernel(packed, absmax_packed, cb, bits, n, k, xq, scale, w_exp):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gemm_cases
-from fp8_cases import check, random_weight
+from fp8_cases import check, check_decode_first, random_weight
 from vllm_kbit import fp8, ops
 
 pytestmark = pytest.mark.gpu
@@ -49,6 +49,31 @@ def test_gemm_fp8_kernel_choice(bits, dtype):
         tiles.append((plan.tile_m, plan.tile_n))
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:
         assert tiles == [(64, 128), (128, 128), (128, 256)], tiles
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(17, 208, 320), (300, 1024, 2080), (64, 200, 512)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_decode_first(bits, dtype, shape):
+    # vLLM's CUTLASS scaled_mm where vLLM's extension loads (fp16 and bf16), else torch's (bf16)
+    try:
+        import vllm._custom_ops  # noqa: F401  (registers torch.ops._C.cutlass_scaled_mm)
+    except ImportError:
+        if dtype == torch.float16:
+            pytest.skip("no FP8 GEMM with fp16 output without vLLM")
+    m, n, k = shape
+    check_decode_first(m, n, k, bits, dtype, bias=(m % 2 == 1))
+
+
+def test_decode_first_plan():
+    # from fp8_decode_min_m tokens (dispatch/heuristics.h) the plan decodes first where it can
+    for m, want in ((512, False), (4096, True)):
+        assert ops.fp8_plan(m, 4096, 4096, 4, torch.bfloat16).decode_first == want, m
+    assert not ops.fp8_plan(4096, 4104, 4096, 4, torch.bfloat16).decode_first  # n % 16: no FP8 GEMM
+    forced = ops.fp8_plan(512, 4096, 4096, 4, torch.bfloat16, {"fp8.decode_first": 1})
+    assert forced.decode_first and forced.kernel.startswith("decode_fp8<K4>")
+    assert not ops.fp8_plan(4096, 4096, 4096, 4, torch.bfloat16, {"fp8.decode_first": 0}).decode_first
 
 
 def test_scales_and_zero_rows():

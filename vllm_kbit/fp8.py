@@ -124,12 +124,16 @@ def _block_index(k: int, bits: int, device) -> torch.Tensor:
 
 def quantize_act(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """kbit::quantize_act_fp8's reference: (x_q e4m3 [M, K] in the kernel's k order for `bits`,
-    s_x float32 [M])."""
+    or in natural order for bits = 0 (the decode-first path's), s_x float32 [M])."""
+    if bits != 0:
+        kf.check_bits(bits)
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"kbit::quantize_act_fp8: x must be float16 or bfloat16, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] % kf.BLOCK_SIZE:
         raise ValueError(f"kbit::quantize_act_fp8: x must be [M, K] with K % 32 == 0, got {tuple(x.shape)}")
     q, scale = quantize_activations(x)
+    if bits == 0:
+        return q, scale.squeeze(1)
     return q[:, _block_index(x.shape[1], bits, x.device)].contiguous(), scale.squeeze(1)
 
 

@@ -16,7 +16,12 @@ as opaque and hand it back to `gemm` unchanged.
   kbit::dequantize_experts(packed[E], absmax[E], codebook, bits, n, k, dtype) -> W[E, n, k]
   kbit::gemm_fp8(x, packed, absmax, codebook, bits, n, k, w_exp, bias?) -> y[M, n]
       FP8 (e4m3) activations, per-token scales; w_exp: fp8.weight_exponent of the layer
-  kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the kernel's k order, s_x fp32 [M])
+      (from a plan threshold the weights are decoded to e4m3 once and an FP8 GEMM runs)
+  kbit::gemm_fp8_path(x, ..., w_exp, bias?, overrides="") -> y   gemm_fp8 with plan overrides
+                           ("fp8.decode_first=1" forces the decode-first path)
+  kbit::decode_fp8(packed, absmax, codebook, bits, n, k, w_exp) -> w_q e4m3 [n, k] (fp8.decode_weight)
+  kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the kernel's k order for bits, natural
+                           order for bits = 0, s_x fp32 [M])
   kbit::gemm_fp8_quantized(x_q, s_x, packed, absmax, codebook, bits, n, k, w_exp, dtype, bias?,
                            overrides="") -> y   (plan overrides: "fp8.tile_m=256" forces the
                            kernel's CTA tile, csrc/dispatch/overrides.h; the reference ignores them)
@@ -49,6 +54,10 @@ _lib.define("dequantize_experts(Tensor packed, Tensor absmax, Tensor codebook, i
             "SymInt k, ScalarType dtype) -> Tensor")
 _lib.define("gemm_fp8(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, SymInt k, "
             "int w_exp, Tensor? bias=None) -> Tensor")
+_lib.define("gemm_fp8_path(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, "
+            "SymInt k, int w_exp, Tensor? bias=None, str overrides=\"\") -> Tensor")
+_lib.define("decode_fp8(Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, SymInt k, "
+            "int w_exp) -> Tensor")
 _lib.define("quantize_act_fp8(Tensor x, int bits) -> (Tensor, Tensor)")
 _lib.define("gemm_fp8_quantized(Tensor x_q, Tensor x_scale, Tensor packed, Tensor absmax, Tensor codebook, "
             "int bits, SymInt n, SymInt k, int w_exp, ScalarType dtype, Tensor? bias=None, str overrides=\"\") "
@@ -217,6 +226,16 @@ def _gemm_fp8_ref(x, packed, absmax, codebook, bits, n, k, w_exp, bias=None):
     return fp8.gemm_fp8_reference(x, packed, absmax, codebook, bits, n, k, w_exp, bias)
 
 
+def _gemm_fp8_path_ref(x, packed, absmax, codebook, bits, n, k, w_exp, bias=None, overrides=""):
+    from vllm_kbit import fp8
+    return fp8.gemm_fp8_reference(x, packed, absmax, codebook, bits, n, k, w_exp, bias)
+
+
+def _decode_fp8_ref(packed, absmax, codebook, bits, n, k, w_exp):
+    from vllm_kbit import fp8
+    return fp8.decode_weight(packed, absmax, codebook, bits, w_exp)
+
+
 def _quantize_act_fp8_ref(x, bits):
     from vllm_kbit import fp8
     return fp8.quantize_act(x, bits)
@@ -237,6 +256,8 @@ for _key in _REF_KEYS:
     _lib.impl("moe_gemm", _moe_gemm_ref, _key)
     _lib.impl("dequantize_experts", _dequantize_experts_ref, _key)
     _lib.impl("gemm_fp8", _gemm_fp8_ref, _key)
+    _lib.impl("gemm_fp8_path", _gemm_fp8_path_ref, _key)
+    _lib.impl("decode_fp8", _decode_fp8_ref, _key)
     _lib.impl("quantize_act_fp8", _quantize_act_fp8_ref, _key)
     _lib.impl("gemm_fp8_quantized", _gemm_fp8_quantized_ref, _key)
 
@@ -262,6 +283,16 @@ def _dequantize_experts_fake(packed, absmax, codebook, bits, n, k, dtype):
 @torch.library.register_fake("kbit::gemm_fp8")
 def _gemm_fp8_fake(x, packed, absmax, codebook, bits, n, k, w_exp, bias=None):
     return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake("kbit::gemm_fp8_path")
+def _gemm_fp8_path_fake(x, packed, absmax, codebook, bits, n, k, w_exp, bias=None, overrides=""):
+    return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake("kbit::decode_fp8")
+def _decode_fp8_fake(packed, absmax, codebook, bits, n, k, w_exp):
+    return packed.new_empty((n, k), dtype=torch.float8_e4m3fn)
 
 
 @torch.library.register_fake("kbit::quantize_act_fp8")
@@ -370,7 +401,7 @@ MMA_PLAN_FIELDS = ("bits", "dtype", "config", "tile_m", "tile_n", "splits", "k_t
 WGMMA_PLAN_FIELDS = ("bits", "dtype", "tile_m", "columns", "row_split", "built_per_sm", "split_tall", "splits",
                      "groups", "grid_x", "token_tiles", "column_groups", "launch_per_sm", "chunk", "spread", "y_tma",
                      "pdl")
-FP8_PLAN_FIELDS = ("bits", "dtype", "tile_m", "tile_n", "token_tiles", "column_groups")
+FP8_PLAN_FIELDS = ("bits", "dtype", "tile_m", "tile_n", "token_tiles", "column_groups", "decode_first")
 _DTYPE_CODES = {0: "f16", 1: "bf16", 2: "f32"}  # the plan ops' dtype field (plan_fields.h, dtype_code)
 
 
@@ -406,6 +437,8 @@ class Fp8Plan(collections.namedtuple("Fp8Plan", FP8_PLAN_FIELDS)):
 
     @property
     def kernel(self) -> str:
+        if self.decode_first:
+            return f"decode_fp8<K{self.bits}>+scaled_mm<{_DTYPE_CODES[self.dtype]}>"
         return f"fp8<K{self.bits},{_DTYPE_CODES[self.dtype]},mt{self.tile_m},cn{self.tile_n}>"
 
 
@@ -431,8 +464,10 @@ def wgmma_plan(m, n, k, bits, dtype=torch.float16, splits=0, overrides=None) -> 
 
 
 def fp8_plan(m, n, k, bits, dtype=torch.float16, overrides=None) -> Fp8Plan:
-    """The FP8-activation GEMM's plan (its kernel's key, then its grid) on the current device, as
-    kbit::gemm_fp8_quantized(..., overrides) launches it (kbit::gemm_fp8's without overrides)."""
+    """The FP8-activation GEMM's plan (its kernel's key, its grid, and decode_first: whether
+    kbit::gemm_fp8 decodes the weights first and runs an FP8 GEMM instead) on the current device,
+    as kbit::gemm_fp8_path(..., overrides) follows it (kbit::gemm_fp8's without overrides;
+    kbit::gemm_fp8_quantized always runs the fused kernel of this key)."""
     return Fp8Plan(*torch.ops.kbit.fp8_plan(m, n, k, bits, dtype, plan_overrides(overrides)))
 
 

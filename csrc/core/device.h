@@ -5,7 +5,8 @@
 
 namespace kbit {
 
-enum class DType { kHalf, kBFloat16, kFloat32 };
+// kE4m3: only an output of the dequantize kernel (the FP8 path's large-M weights).
+enum class DType { kHalf, kBFloat16, kFloat32, kE4m3 };
 
 // Attribute A of the current device, queried once per device (the launch paths ask on every
 // call); -1 where there is no current device.

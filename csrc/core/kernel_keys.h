@@ -13,7 +13,9 @@
 
 namespace kbit {
 
-inline const char* dtype_name(DType d) { return d == DType::kHalf ? "f16" : d == DType::kBFloat16 ? "bf16" : "f32"; }
+inline const char* dtype_name(DType d) {
+  return d == DType::kHalf ? "f16" : d == DType::kBFloat16 ? "bf16" : d == DType::kFloat32 ? "f32" : "e4m3";
+}
 
 // gemv/gemv_kernel.cuh: gemv_kernel<bits, mt, T, warps, wide, x_smem, slabs>.
 struct GemvKey {
@@ -61,7 +63,7 @@ struct Fp8Key {
 // repack/dequant_kernel.cuh: dequant_kernel<T, bits, stacked>.
 struct DequantKey {
   int bits = 4;
-  DType dtype = DType::kHalf;  // of the output: f16, bf16 or f32
+  DType dtype = DType::kHalf;  // of the output: f16, bf16, f32 or e4m3 (kbit::decode_fp8)
   bool stacked = false;        // experts [E, n, k] in one launch
 };
 

@@ -61,6 +61,12 @@ cudaError_t launch_dequantize(DType dtype, const uint32_t* packed, const uint8_t
                               const float* codebook, void* w, int n_begin, int n_end, int k,
                               int bits, cudaStream_t stream);
 
+// Tiled layout -> w[n, k] e4m3: the weight the FP8-activation GEMM decodes in registers for
+// weight exponent w_exp (vllm_kbit/fp8.py step 3, fp8.decode_weight), for the large-M FP8 path
+// (decode once, then an FP8 GEMM).
+cudaError_t launch_decode_fp8(const uint32_t* packed, const uint8_t* absmax, const float* codebook, int w_exp,
+                              uint8_t* w, int n, int k, int bits, cudaStream_t stream);
+
 // ---- programmatic dependent launch (core/common.cuh, wait_prior_grids)
 
 // Whether the GEMV and wgmma kernels are launched with PDL: on compute capability >= 9.0.

@@ -29,6 +29,8 @@
 //   wgmma.zeroed_counters 0: cluster-group counters zeroed in the workspace, not kept zero
 //   fp8.tile_m           64 | 128 | 256: the FP8 GEMM's tokens per CTA (with fp8.tile_n: the tile;
 //   fp8.tile_n           128 | 256: its columns per CTA     either alone: the other 128)
+//   fp8.decode_first     -1 | 0 | 1: 1 decodes the weights to e4m3 once and runs a scaled_mm
+//                        (where one is available), 0 the fused kernel, -1 the plan's choice
 //                        the tiles: 64 x 128, 128 x 128, 256 x 128, 128 x 256
 #pragma once
 #include <cstdlib>
@@ -67,6 +69,7 @@ struct WgmmaOverrides {
 struct Fp8Overrides {
   int tile_m = 0;           // 0 with tile_n 0: the plan's; 0 with tile_n set: 128
   int tile_n = 0;           // 0 with tile_m 0: the plan's; 0 with tile_m set: 128
+  int decode_first = -1;    // -1: the plan's; 0: the fused kernel; 1: decode_fp8 + scaled_mm
 };
 
 struct PlanOverrides {
@@ -134,6 +137,7 @@ inline std::string parse_overrides(const std::string& text, PlanOverrides* out) 
     else if (key == "wgmma.zeroed_counters") ok = flag(&out->wgmma.zeroed_counters);
     else if (key == "fp8.tile_m") ok = one_of({0, 64, 128, 256}) && (out->fp8.tile_m = int(v), true);
     else if (key == "fp8.tile_n") ok = one_of({0, 128, 256}) && (out->fp8.tile_n = int(v), true);
+    else if (key == "fp8.decode_first") ok = in(-1, 1) && (out->fp8.decode_first = int(v), true);
     else return "unknown override '" + key + "' (csrc/dispatch/overrides.h lists the keys)";
     if (!ok) return "override " + key + "=" + value + " is out of range (csrc/dispatch/overrides.h)";
   }

@@ -77,7 +77,8 @@ inline PlanFields fp8_plan_fields(const Fp8Plan& p) {
           {"tile_m", p.key.tile_m},
           {"tile_n", p.key.tile_n},
           {"token_tiles", p.token_tiles},
-          {"column_groups", p.column_groups}};
+          {"column_groups", p.column_groups},
+          {"decode_first", p.decode_first}};
 }
 
 inline std::vector<int64_t> field_values(const PlanFields& f) {

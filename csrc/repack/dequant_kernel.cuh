@@ -2,7 +2,9 @@
 // path, a test hook) or stacked MoE experts whole (the experts on the grid's y dimension); the
 // launches are repack/dequantize.cu's.
 // Values are float(codebook[idx]) * decode(absmax) rounded once: bit-exact with
-// format.dequantize.
+// format.dequantize. The e4m3 output (kbit::decode_fp8) is the weight the FP8 GEMM decodes in
+// registers (vllm_kbit/fp8.py, step 3): the shared table holds that GEMM's fp16 entries
+// fp16(cb * 2^(r + 4)), and each product times 1/16 is rounded to fp16, then to e4m3.
 //
 // Design. One warp per 64x64 unit, as the GEMV reads it: each lane loads its own 16 bytes per
 // bit-plane (a warp reads 512 contiguous bytes per plane) and its 16 absmax codes, the next
@@ -16,7 +18,10 @@
 // (half-written sectors), was slower; this one runs at about the DRAM's rate for a stream of
 // 80% writes (docs/PERFORMANCE.md).
 #pragma once
+#include <cuda_fp8.h>
+
 #include <cstdint>
+#include <type_traits>
 
 #include "core/common.cuh"
 #include "core/decode.cuh"
@@ -47,6 +52,13 @@ template <typename T> struct DqPair { using type = uint32_t; };
 template <> struct DqPair<float> { using type = float2; };
 template <typename T> __device__ __forceinline__ typename DqPair<T>::type dq_pair(float a, float b) { return pack2<T>(a, b); }
 template <> __device__ __forceinline__ float2 dq_pair<float>(float a, float b) { return make_float2(a, b); }
+template <> struct DqPair<__nv_fp8_e4m3> { using type = uint16_t; };
+template <> __device__ __forceinline__ uint16_t dq_pair<__nv_fp8_e4m3>(float a, float b) {
+  // a, b = table entry * E4M4 (exact in fp32); / 16 is exact too, so the fp16 rounding here is
+  // the GEMM's one HMUL2 rounding, and cvt.rn.satfinite its e4m3 rounding.
+  const __half2_raw h = __floats2half2_rn(a * 0.0625f, b * 0.0625f);
+  return __nv_cvt_halfraw2_to_fp8x2(h, __NV_SATFINITE, __NV_E4M3);
+}
 
 // kStacked: stacked MoE experts (launch_dequantize_experts), expert blockIdx.y's layout, output
 // and codebook at the given strides (codebook_stride 0: one shared); its own instantiation, so
@@ -58,7 +70,7 @@ __global__ void __launch_bounds__(kDqWarps * 32) dequant_kernel(const uint32_t* 
                                                                 const float* __restrict__ codebook, T* __restrict__ w,
                                                                 int n_begin, int n_end, int k, long long expert_words,
                                                                 long long expert_bytes, long long expert_elems,
-                                                                int codebook_stride) {
+                                                                int codebook_stride, float codebook_scale) {
   if constexpr (kStacked) {
     packed += blockIdx.y * expert_words;
     absmax += blockIdx.y * expert_bytes;
@@ -70,7 +82,11 @@ __global__ void __launch_bounds__(kDqWarps * 32) dequant_kernel(const uint32_t* 
   constexpr int kEntries = 1 << BITS;
   __shared__ float lut[kEntries * 32];  // entry v of replica r at word 32 v + r (bank r)
   __shared__ __align__(16) uint8_t staging[kDqWarps][S::kBytes];
-  for (int i = threadIdx.x; i < kEntries * 32; i += blockDim.x) lut[i] = __ldg(codebook + (i >> 5));
+  for (int i = threadIdx.x; i < kEntries * 32; i += blockDim.x) {
+    const float c = __ldg(codebook + (i >> 5));
+    if constexpr (std::is_same_v<T, __nv_fp8_e4m3>) lut[i] = __half2float(__float2half_rn(c * codebook_scale));
+    else lut[i] = c;
+  }
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3, g = lane >> 2;
   const float* my_lut = lut + lane;
@@ -154,7 +170,7 @@ cudaError_t launch_kernel(const DequantParams& p, cudaStream_t stream) {
   const long long elems = (long long)n_end * k;
   kernel<<<dim3(grid, experts, 1), kDqWarps * 32, 0, stream>>>(p.packed, p.absmax, p.codebook, static_cast<T*>(p.w),
                                                                n_begin, n_end, k, words, bytes, elems,
-                                                               p.codebook_stride);
+                                                               p.codebook_stride, p.codebook_scale);
   return cudaGetLastError();
 }
 

@@ -13,24 +13,32 @@ extern const DequantKernel dequant_k2_bf16_rows;
 extern const DequantKernel dequant_k2_bf16_stacked;
 extern const DequantKernel dequant_k2_f32_rows;
 extern const DequantKernel dequant_k2_f32_stacked;
+extern const DequantKernel dequant_k2_e4m3_rows;
+extern const DequantKernel dequant_k2_e4m3_stacked;
 extern const DequantKernel dequant_k3_f16_rows;
 extern const DequantKernel dequant_k3_f16_stacked;
 extern const DequantKernel dequant_k3_bf16_rows;
 extern const DequantKernel dequant_k3_bf16_stacked;
 extern const DequantKernel dequant_k3_f32_rows;
 extern const DequantKernel dequant_k3_f32_stacked;
+extern const DequantKernel dequant_k3_e4m3_rows;
+extern const DequantKernel dequant_k3_e4m3_stacked;
 extern const DequantKernel dequant_k4_f16_rows;
 extern const DequantKernel dequant_k4_f16_stacked;
 extern const DequantKernel dequant_k4_bf16_rows;
 extern const DequantKernel dequant_k4_bf16_stacked;
 extern const DequantKernel dequant_k4_f32_rows;
 extern const DequantKernel dequant_k4_f32_stacked;
+extern const DequantKernel dequant_k4_e4m3_rows;
+extern const DequantKernel dequant_k4_e4m3_stacked;
 extern const DequantKernel dequant_k5_f16_rows;
 extern const DequantKernel dequant_k5_f16_stacked;
 extern const DequantKernel dequant_k5_bf16_rows;
 extern const DequantKernel dequant_k5_bf16_stacked;
 extern const DequantKernel dequant_k5_f32_rows;
 extern const DequantKernel dequant_k5_f32_stacked;
+extern const DequantKernel dequant_k5_e4m3_rows;
+extern const DequantKernel dequant_k5_e4m3_stacked;
 
 // The compiled kernel `k` names; nullptr where none is built.
 inline const DequantKernel* select_kernel(const DequantKey& k) {
@@ -42,6 +50,8 @@ inline const DequantKernel* select_kernel(const DequantKey& k) {
       if (k.dtype == DType::kBFloat16 && k.stacked == true) return &dequant_k2_bf16_stacked;
       if (k.dtype == DType::kFloat32 && k.stacked == false) return &dequant_k2_f32_rows;
       if (k.dtype == DType::kFloat32 && k.stacked == true) return &dequant_k2_f32_stacked;
+      if (k.dtype == DType::kE4m3 && k.stacked == false) return &dequant_k2_e4m3_rows;
+      if (k.dtype == DType::kE4m3 && k.stacked == true) return &dequant_k2_e4m3_stacked;
       return nullptr;
     case 3:
       if (k.dtype == DType::kHalf && k.stacked == false) return &dequant_k3_f16_rows;
@@ -50,6 +60,8 @@ inline const DequantKernel* select_kernel(const DequantKey& k) {
       if (k.dtype == DType::kBFloat16 && k.stacked == true) return &dequant_k3_bf16_stacked;
       if (k.dtype == DType::kFloat32 && k.stacked == false) return &dequant_k3_f32_rows;
       if (k.dtype == DType::kFloat32 && k.stacked == true) return &dequant_k3_f32_stacked;
+      if (k.dtype == DType::kE4m3 && k.stacked == false) return &dequant_k3_e4m3_rows;
+      if (k.dtype == DType::kE4m3 && k.stacked == true) return &dequant_k3_e4m3_stacked;
       return nullptr;
     case 4:
       if (k.dtype == DType::kHalf && k.stacked == false) return &dequant_k4_f16_rows;
@@ -58,6 +70,8 @@ inline const DequantKernel* select_kernel(const DequantKey& k) {
       if (k.dtype == DType::kBFloat16 && k.stacked == true) return &dequant_k4_bf16_stacked;
       if (k.dtype == DType::kFloat32 && k.stacked == false) return &dequant_k4_f32_rows;
       if (k.dtype == DType::kFloat32 && k.stacked == true) return &dequant_k4_f32_stacked;
+      if (k.dtype == DType::kE4m3 && k.stacked == false) return &dequant_k4_e4m3_rows;
+      if (k.dtype == DType::kE4m3 && k.stacked == true) return &dequant_k4_e4m3_stacked;
       return nullptr;
     case 5:
       if (k.dtype == DType::kHalf && k.stacked == false) return &dequant_k5_f16_rows;
@@ -66,6 +80,8 @@ inline const DequantKernel* select_kernel(const DequantKey& k) {
       if (k.dtype == DType::kBFloat16 && k.stacked == true) return &dequant_k5_bf16_stacked;
       if (k.dtype == DType::kFloat32 && k.stacked == false) return &dequant_k5_f32_rows;
       if (k.dtype == DType::kFloat32 && k.stacked == true) return &dequant_k5_f32_stacked;
+      if (k.dtype == DType::kE4m3 && k.stacked == false) return &dequant_k5_e4m3_rows;
+      if (k.dtype == DType::kE4m3 && k.stacked == true) return &dequant_k5_e4m3_stacked;
       return nullptr;
   }
   return nullptr;

@@ -4,6 +4,8 @@
 // its key and launches the entry the generated selector (dequant_kernels.h) returns.
 #include <cuda_runtime.h>
 
+#include <cmath>
+
 #include "core/kernel_keys.h"
 #include "core/layout.cuh"
 #include "dispatch/launchers.h"
@@ -32,8 +34,17 @@ cudaError_t launch(const DequantKey& key, const repack::DequantParams& p, cudaSt
 cudaError_t launch_dequantize(DType dtype, const uint32_t* packed, const uint8_t* absmax, const float* codebook,
                               void* w, int n_begin, int n_end, int k, int bits, cudaStream_t stream) {
   if (n_begin < 0 || n_end <= n_begin || k <= 0 || k % kBlock != 0) return cudaErrorInvalidValue;
-  const repack::DequantParams p = {packed, absmax, codebook, 0, w, n_begin, n_end, k, 1};
+  if (dtype == DType::kE4m3) return cudaErrorInvalidValue;  // launch_decode_fp8's
+  const repack::DequantParams p = {packed, absmax, codebook, 0, w, n_begin, n_end, k, 1, 1.f};
   return launch(dequant_key(bits, dtype, false), p, stream);
+}
+
+cudaError_t launch_decode_fp8(const uint32_t* packed, const uint8_t* absmax, const float* codebook, int w_exp,
+                              uint8_t* w, int n, int k, int bits, cudaStream_t stream) {
+  if (n < 1 || k <= 0 || k % kBlock != 0) return cudaErrorInvalidValue;  // w_exp: the binding's check_weight
+  const float scale = ldexpf(1.f, w_exp + 4);
+  const repack::DequantParams p = {packed, absmax, codebook, 0, w, 0, n, k, 1, scale};
+  return launch(dequant_key(bits, DType::kE4m3, false), p, stream);
 }
 
 cudaError_t launch_dequantize_experts(DType dtype, const uint32_t* packed, const uint8_t* absmax,
@@ -41,7 +52,8 @@ cudaError_t launch_dequantize_experts(DType dtype, const uint32_t* packed, const
                                       int k, int bits, cudaStream_t stream) {
   if (num_experts < 1 || num_experts > 65535 || n < 1 || k <= 0 || k % kBlock != 0) return cudaErrorInvalidValue;
   if (codebook_stride != 0 && codebook_stride != (1 << bits)) return cudaErrorInvalidValue;
-  const repack::DequantParams p = {packed, absmax, codebook, codebook_stride, w, 0, n, k, num_experts};
+  if (dtype == DType::kE4m3) return cudaErrorInvalidValue;
+  const repack::DequantParams p = {packed, absmax, codebook, codebook_stride, w, 0, n, k, num_experts, 1.f};
   return launch(dequant_key(bits, dtype, true), p, stream);
 }
 

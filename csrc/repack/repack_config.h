@@ -18,6 +18,7 @@ struct DequantParams {
   void* w;              // of the key's dtype
   int n_begin, n_end, k;
   int experts;          // 1 unless stacked
+  float codebook_scale; // e4m3 output: 2^(r + 4), the table is fp16(codebook * codebook_scale)
 };
 
 // W [n, k] -> checkpoint layout.

@@ -83,6 +83,7 @@ __host__ __device__ constexpr int act_element(int bits, int p) {
   return bits == 2 ? (pair >> 1) * 4 + (pair & 1) + 2 * hi : pair + 4 * hi;
 }
 __host__ __device__ constexpr int act_source_k(int bits, int p) {
+  if (bits == 0) return p;  // natural order: the x of the dequantize + scaled_mm path
   const int t = (p >> 2) & 3, e = act_element(bits, p);
   return 16 * (e >> 2) + 8 * ((e >> 1) & 1) + 2 * t + (e & 1);
 }
@@ -430,7 +431,8 @@ constexpr Fp8Kernel kernel_entry() {
 }
 
 // Per-token e4m3 quantization of x [M, K] (K % 32 == 0): s_x[m] = max(amax_m, floor) / 448,
-// x_q = e4m3_rn_satfinite(x / s_x), k permuted inside each 32-block for `bits` (act_source_k).
+// x_q = e4m3_rn_satfinite(x / s_x), k permuted inside each 32-block for `bits` (act_source_k;
+// BITS = 0: natural order).
 // One CTA a row: pass 1 the row's amax, pass 2 (the row again, from L1 / L2) the quantization,
 // one thread a 32-block: 64 B in, 32 B out.
 template <typename T, int BITS>

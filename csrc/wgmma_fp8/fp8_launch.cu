@@ -33,24 +33,27 @@ bool gemm_supported() {
 // every other device runs the reference.
 bool quantize_supported() { return gemm_supported(); }
 
+template <typename T>
+cudaError_t launch_quantizer(int order, const T* x, uint8_t* xq, float* scale, int m, int k, cudaStream_t stream) {
+  if (order == 0) quantize_act_kernel<T, 0><<<m, 256, 0, stream>>>(x, xq, scale, k);
+  else if (order == 2) quantize_act_kernel<T, 2><<<m, 256, 0, stream>>>(x, xq, scale, k);
+  else quantize_act_kernel<T, 4><<<m, 256, 0, stream>>>(x, xq, scale, k);
+  return cudaGetLastError();
+}
+
 int max_weight_exp() { return kMaxWeightExp; }
 int min_weight_exp() { return kMinWeightExp; }
 
 cudaError_t launch_quantize_act(DType dtype, const void* x, uint8_t* xq, float* scale, int m, int k, int bits,
                                 cudaStream_t stream) {
-  if (m < 1 || k < 32 || k % 32 != 0 || bits < 2 || bits > 5) return cudaErrorInvalidValue;
+  if (m < 1 || k < 32 || k % 32 != 0 || (bits != 0 && (bits < 2 || bits > 5))) return cudaErrorInvalidValue;
   if (dtype != DType::kHalf && dtype != DType::kBFloat16) return cudaErrorInvalidValue;
   if ((reinterpret_cast<uintptr_t>(x) & 15) || (reinterpret_cast<uintptr_t>(xq) & 15)) return cudaErrorInvalidValue;
   if (!quantize_supported()) return cudaErrorNotSupported;
-  const bool crumb = bits == 2;  // the k order depends only on K=2's crumb pairs vs the nibble pairs
-  if (dtype == DType::kHalf) {
-    if (crumb) quantize_act_kernel<__half, 2><<<m, 256, 0, stream>>>(static_cast<const __half*>(x), xq, scale, k);
-    else quantize_act_kernel<__half, 4><<<m, 256, 0, stream>>>(static_cast<const __half*>(x), xq, scale, k);
-  } else {
-    if (crumb) quantize_act_kernel<__nv_bfloat16, 2><<<m, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), xq, scale, k);
-    else quantize_act_kernel<__nv_bfloat16, 4><<<m, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), xq, scale, k);
-  }
-  return cudaGetLastError();
+  // the k order depends only on K=2's crumb pairs vs the nibble pairs (0: natural order)
+  const int order = bits == 0 ? 0 : bits == 2 ? 2 : 4;
+  if (dtype == DType::kHalf) return launch_quantizer<__half>(order, static_cast<const __half*>(x), xq, scale, m, k, stream);
+  return launch_quantizer<__nv_bfloat16>(order, static_cast<const __nv_bfloat16*>(x), xq, scale, m, k, stream);
 }
 
 cudaError_t launch_gemm(const Fp8Key& key, const GemmArgs& a, cudaStream_t stream) {

@@ -18,7 +18,7 @@ bool gemm_supported();
 bool quantize_supported();
 
 // x [m, k] (fp16 / bf16, 16 B aligned, k % 32 == 0) -> xq [m, k] e4m3 in the GEMM's k order for
-// `bits`, scale [m] fp32.
+// `bits` (0: natural order, for the dequantize + scaled_mm path), scale [m] fp32.
 cudaError_t launch_quantize_act(DType dtype, const void* x, uint8_t* xq, float* scale, int m, int k, int bits,
                                 cudaStream_t stream);
 

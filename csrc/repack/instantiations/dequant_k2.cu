@@ -11,6 +11,8 @@ const DequantKernel dequant_k2_bf16_rows = kernel_entry<2, __nv_bfloat16, false>
 const DequantKernel dequant_k2_bf16_stacked = kernel_entry<2, __nv_bfloat16, true>();
 const DequantKernel dequant_k2_f32_rows = kernel_entry<2, float, false>();
 const DequantKernel dequant_k2_f32_stacked = kernel_entry<2, float, true>();
+const DequantKernel dequant_k2_e4m3_rows = kernel_entry<2, __nv_fp8_e4m3, false>();
+const DequantKernel dequant_k2_e4m3_stacked = kernel_entry<2, __nv_fp8_e4m3, true>();
 
 }  // namespace repack
 }  // namespace kbit

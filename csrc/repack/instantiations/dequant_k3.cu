@@ -11,6 +11,8 @@ const DequantKernel dequant_k3_bf16_rows = kernel_entry<3, __nv_bfloat16, false>
 const DequantKernel dequant_k3_bf16_stacked = kernel_entry<3, __nv_bfloat16, true>();
 const DequantKernel dequant_k3_f32_rows = kernel_entry<3, float, false>();
 const DequantKernel dequant_k3_f32_stacked = kernel_entry<3, float, true>();
+const DequantKernel dequant_k3_e4m3_rows = kernel_entry<3, __nv_fp8_e4m3, false>();
+const DequantKernel dequant_k3_e4m3_stacked = kernel_entry<3, __nv_fp8_e4m3, true>();
 
 }  // namespace repack
 }  // namespace kbit
