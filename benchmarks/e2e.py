@@ -49,6 +49,11 @@ MOE_SHAPES = {
                                              num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
                                              num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                                              head_dim=128, vocab_size=151936, rope_theta=1000000.0)),
+    # 94 layers of 128 experts: about 97 GB of weights at K=3 (one H200), 68 GB at K=2 (one H100)
+    "qwen3-235b-a22b": ("Qwen3MoeConfig", dict(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                                               num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                               num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                                               head_dim=128, vocab_size=151936, rope_theta=1000000.0)),
     "mixtral-8x7b": ("MixtralConfig", dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8,
                                            num_experts_per_tok=2, num_hidden_layers=32, num_attention_heads=32,
                                            num_key_value_heads=8, vocab_size=32000, rope_theta=1000000.0)),
