@@ -6,8 +6,8 @@ activations (torch.ops.kbit.gemm) and cuBLAS in the activation dtype.
 Rows per (shape, M, method), microseconds (bench_gemm.Timer: L2 flushed before each call, CUDA
 events, median):
   kbit-fp8 K=b        the op as a layer calls it (the plan's path): x quantization + GEMM
-  ... fused / decode-first   the same with the path forced (plan override fp8.decode_first): the
-                      fused kernel, or kbit::decode_fp8 + natural-order x + an FP8 scaled_mm
+  ... fused / decode-first   the same with the path forced (plan override fp8.path): the fused
+                      kernel, or kbit::decode_fp8 + natural-order x + an FP8 scaled_mm
   kbit-fp8 K=b gemm   the fused GEMM alone on a quantized x (kbit::gemm_fp8_quantized)
   decode_fp8 K=4      the decode-first path's weight decode alone
   K=4 gemm MxN        the same at K=4 with the CTA tile forced (--tiles; tokens x columns)
@@ -97,7 +97,7 @@ def main():
                 t[f"kbit-fp8 K={b}"] = timer(lambda: torch.ops.kbit.gemm_fp8(x, packed, absmax, cb, b, n, k, r))
                 for label, forced in (("fused", 0), ("decode-first", 1)):
                     t[f"kbit-fp8 K={b} {label}"] = timer(lambda: torch.ops.kbit.gemm_fp8_path(
-                        x, packed, absmax, cb, b, n, k, r, None, f"fp8.decode_first={forced}"))
+                        x, packed, absmax, cb, b, n, k, r, None, f"fp8.path={forced}"))
                 xq, s = torch.ops.kbit.quantize_act_fp8(x, b)
                 t[f"kbit-fp8 K={b} gemm"] = timer(
                     lambda: torch.ops.kbit.gemm_fp8_quantized(xq, s, packed, absmax, cb, b, n, k, r, dt))

@@ -3,9 +3,9 @@
 //   kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the GEMM's k order for bits, or in
 //       natural order for bits = 0, s_x [M] fp32)
 //   kbit::gemm_fp8(x, packed, absmax, codebook, bits, n, k, w_exp, bias?) -> y [M, n]: the plan's
-//       path: the fused kernel, or (from fp8_decode_min_m tokens, where an FP8 GEMM is at hand)
-//       decode_fp8 + x in natural order + vLLM's / torch's scaled_mm
-//   kbit::gemm_fp8_path(..., bias?, overrides) -> y: gemm_fp8 with plan overrides (fp8.decode_first)
+//       path (dispatch/fp8_plan.h): the fused kernel; decode_fp8 + x in natural order + vLLM's /
+//       torch's scaled_mm; or the 16-bit kbit::gemm where that is faster
+//   kbit::gemm_fp8_path(..., bias?, overrides) -> y: gemm_fp8 with plan overrides (fp8.path)
 //   kbit::decode_fp8(packed, absmax, codebook, bits, n, k, w_exp) -> w_q e4m3 [n, k]: the
 //       weights as gemm_fp8 decodes them, once, for the large-M path (an FP8 GEMM follows)
 //   kbit::gemm_fp8_quantized(x_q, s_x, packed, absmax, codebook, bits, n, k, w_exp, dtype,
@@ -199,6 +199,16 @@ at::Tensor gemm_fp8_decoded(const at::Tensor& x, const at::Tensor& packed, const
   return y;
 }
 
+// The 16-bit path: kbit::gemm (binding.cpp), through the dispatcher.
+at::Tensor gemm_16bit(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
+                      const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
+                      const c10::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("kbit::gemm", "");
+  torch::jit::Stack stack{x, packed, absmax, codebook, bits, n, k, bias};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 Fp8Plan plan_for(int64_t m, int64_t n, int64_t bits, at::ScalarType dtype, const Fp8Overrides& o, const char* op) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   return plan(device_heuristics(), int(m), int(n), int(bits), out_type(dtype, op), sms, o, scaled_mm_at_hand(dtype, n));
@@ -216,8 +226,9 @@ at::Tensor gemm_fp8_planned(const at::Tensor& x, const at::Tensor& packed, const
   }
   if (x.size(0) > 0) {
     const c10::cuda::CUDAGuard guard(x.device());
-    if (plan_for(x.size(0), n, bits, x.scalar_type(), o, "gemm_fp8").decode_first)
-      return gemm_fp8_decoded(x, packed, absmax, codebook, bits, n, k, w_exp, b);
+    const Path path = plan_for(x.size(0), n, bits, x.scalar_type(), o, "gemm_fp8").path;
+    if (path == Path::kDecodeFirst) return gemm_fp8_decoded(x, packed, absmax, codebook, bits, n, k, w_exp, b);
+    if (path == Path::kSixteenBit) return gemm_16bit(x, packed, absmax, codebook, bits, n, k, bias);
   }
   const auto [xq, scale] = quantize_act_fp8(x, bits);
   return gemm_fp8_quantized(xq, scale, packed, absmax, codebook, bits, n, k, w_exp, x.scalar_type(), bias, overrides);
@@ -228,8 +239,8 @@ at::Tensor gemm_fp8(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   return gemm_fp8_planned(x, packed, absmax, codebook, bits, n, k, w_exp, bias, Fp8Overrides{}, "");
 }
 
-// kbit::gemm_fp8 with plan overrides (fp8.decode_first forces the path, fp8.tile_m / tile_n the
-// fused kernel's tile): the tests' and benchmarks' hook.
+// kbit::gemm_fp8 with plan overrides (fp8.path forces the path, fp8.tile_m / tile_n the fused
+// kernel's tile): the tests' and benchmarks' hook.
 at::Tensor gemm_fp8_path(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
                          const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k, int64_t w_exp,
                          const c10::optional<at::Tensor>& bias, c10::string_view overrides) {

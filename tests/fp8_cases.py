@@ -78,7 +78,10 @@ def check(m, n, k, bits, dtype, bias=False, tile=(0, 0), x_scale=1.0, seed=0, fu
     if fused:
         poison(m, n, dtype)
         y2 = torch.ops.kbit.gemm_fp8(x, packed, absmax, cb, bits, n, k, w_exp, b)
-        if ops.fp8_plan(m, n, k, bits, dtype).decode_first:  # another GEMM: the same bound, not the same bits
+        path = ops.fp8_plan(m, n, k, bits, dtype).path
+        if path == ops.Fp8Path.SIXTEEN_BIT:  # the plan's 16-bit path: kbit::gemm's bits
+            assert torch.equal(y2, torch.ops.kbit.gemm(x, packed, absmax, cb, bits, n, k, b)), where
+        elif path == ops.Fp8Path.DECODE_FIRST:  # another GEMM: the same bound, not the same bits
             assert torch.isfinite(y2).all() and within(y2, ref, mag, dtype)[0].all(), f"gemm_fp8 (decode first) off {where}"
         elif tile == (0, 0):
             assert torch.equal(y, y2), f"gemm_fp8 differs from quantize + gemm_fp8_quantized {where}"
@@ -95,7 +98,7 @@ def check(m, n, k, bits, dtype, bias=False, tile=(0, 0), x_scale=1.0, seed=0, fu
 
 
 def check_decode_first(m, n, k, bits, dtype, bias=False, seed=0):
-    """The decode-first path (kbit::gemm_fp8_path with fp8.decode_first=1): kbit::decode_fp8 bit for
+    """The decode-first path (kbit::gemm_fp8_path with fp8.path=1): kbit::decode_fp8 bit for
     bit against fp8.decode_weight, the natural-order quantizer bit for bit, the GEMM per element.
     Where no FP8 GEMM serves the shape (n % 16 != 0) the plan falls back to the fused kernel."""
     qweight, e4m4, packed, absmax, cb = random_weight(n, k, bits, 3000 * bits + n + 7 * k + seed)
@@ -113,9 +116,10 @@ def check_decode_first(m, n, k, bits, dtype, bias=False, seed=0):
     xq_ref, scale_ref = fp8.quantize_act(x, 0)
     assert torch.equal(scale, scale_ref) and torch.equal(xq.view(torch.uint8), xq_ref.view(torch.uint8)), where
 
-    overrides = ops.plan_overrides({"fp8.decode_first": 1})
+    overrides = ops.plan_overrides({"fp8.path": int(ops.Fp8Path.DECODE_FIRST)})
     plan = ops.fp8_plan(m, n, k, bits, dtype, overrides)
-    assert plan.decode_first == (n % 16 == 0), (plan, where)
+    want = ops.Fp8Path.DECODE_FIRST if n % 16 == 0 else ops.Fp8Path.FUSED
+    assert plan.path == want, (plan, where)
     poison(m, n, dtype)
     y = torch.ops.kbit.gemm_fp8_path(x, packed, absmax, cb, bits, n, k, w_exp, b, overrides)
     assert torch.isfinite(y).all(), f"non-finite output (unwritten?) {where}"

@@ -1,6 +1,7 @@
 """FP8-activation kbit GEMM (csrc/wgmma_fp8/, Hopper sm_90a) on the GPU: kbit::quantize_act_fp8,
 kbit::gemm_fp8_quantized (each CTA tile forced through the plan overrides fp8.tile_m / fp8.tile_n,
-and the plan's choice) and kbit::gemm_fp8,
+and the plan's choice), kbit::gemm_fp8 and its three paths (fp8.path: the fused kernel,
+decode-first with kbit::decode_fp8, the 16-bit kbit::gemm),
 against vllm_kbit/fp8.py's float64 function of the same e4m3 operands (tests/fp8_cases.py:
 the quantizer bit for bit, the GEMM per element within the fp32-accumulation bound, outputs
 NaN-poisoned first). Every K x output dtype x tile, odd M, N not a multiple of the column tile,
@@ -66,14 +67,22 @@ def test_decode_first(bits, dtype, shape):
     check_decode_first(m, n, k, bits, dtype, bias=(m % 2 == 1))
 
 
-def test_decode_first_plan():
-    # from fp8_decode_min_m tokens (dispatch/heuristics.h) the plan decodes first where it can
-    for m, want in ((512, False), (4096, True)):
-        assert ops.fp8_plan(m, 4096, 4096, 4, torch.bfloat16).decode_first == want, m
-    assert not ops.fp8_plan(4096, 4104, 4096, 4, torch.bfloat16).decode_first  # n % 16: no FP8 GEMM
-    forced = ops.fp8_plan(512, 4096, 4096, 4, torch.bfloat16, {"fp8.decode_first": 1})
-    assert forced.decode_first and forced.kernel.startswith("decode_fp8<K4>")
-    assert not ops.fp8_plan(4096, 4096, 4096, 4, torch.bfloat16, {"fp8.decode_first": 0}).decode_first
+def test_path_plan():
+    # dispatch/fp8_plan.h with the H100 / H200 tables: the 16-bit kbit::gemm below
+    # fp8_decode_min_m tokens, decode-first from there where an FP8 GEMM serves the shape
+    P = ops.Fp8Path
+    for m, want in ((17, P.SIXTEEN_BIT), (512, P.SIXTEEN_BIT), (1024, P.DECODE_FIRST), (4096, P.DECODE_FIRST)):
+        assert ops.fp8_plan(m, 4096, 4096, 4, torch.bfloat16).path == want, m
+    assert ops.fp8_plan(4096, 4104, 4096, 4, torch.bfloat16).path == P.SIXTEEN_BIT  # n % 16: no FP8 GEMM
+    forced = ops.fp8_plan(512, 4096, 4096, 4, torch.bfloat16, {"fp8.path": 1})
+    assert forced.path == P.DECODE_FIRST and forced.kernel.startswith("decode_fp8<K4>")
+    assert ops.fp8_plan(512, 4104, 4096, 4, torch.bfloat16, {"fp8.path": 1}).path == P.FUSED
+    assert ops.fp8_plan(4096, 4096, 4096, 4, torch.bfloat16, {"fp8.path": 0}).path == P.FUSED
+    # the 16-bit path is kbit::gemm, bit for bit
+    _, e4m4, packed, absmax, cb = random_weight(256, 512, 3, 5)
+    x = torch.randn(100, 512, device="cuda").half()
+    y = torch.ops.kbit.gemm_fp8_path(x, packed, absmax, cb, 3, 256, 512, fp8.weight_exponent(e4m4), None, "fp8.path=2")
+    assert torch.equal(y, torch.ops.kbit.gemm(x, packed, absmax, cb, 3, 256, 512, None))
 
 
 def test_scales_and_zero_rows():
@@ -95,11 +104,18 @@ def test_cuda_graph():
     qweight, e4m4, packed, absmax, cb = random_weight(n, k, bits, 7)
     w_exp = fp8.weight_exponent(e4m4)
     x = torch.randn(200, k, device="cuda").half()
-    graph, y = gemm_cases.capture_graph(lambda: torch.ops.kbit.gemm_fp8(x, packed, absmax, cb, bits, n, k, w_exp))
-    for _ in range(2):
-        x.copy_(torch.randn_like(x))
-        gemm_cases.replay_poisoned(graph, y)
-        assert torch.equal(y, torch.ops.kbit.gemm_fp8(x, packed, absmax, cb, bits, n, k, w_exp))
+    try:
+        import vllm._custom_ops  # noqa: F401  (the decode-first path's fp16 FP8 GEMM)
+    except ImportError:
+        pass
+    for path in ops.Fp8Path:  # each path the plan can take, captured and replayed
+        def op():
+            return torch.ops.kbit.gemm_fp8_path(x, packed, absmax, cb, bits, n, k, w_exp, None, f"fp8.path={int(path)}")
+        graph, y = gemm_cases.capture_graph(op)
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            gemm_cases.replay_poisoned(graph, y)
+            assert torch.equal(y, op()), path
 
 
 def test_errors():

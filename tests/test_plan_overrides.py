@@ -65,8 +65,10 @@ def test_plan_fields_match_the_binding(tmp_path):
         values = [tuple(v for _, v in f) for fam, _, f in plans if fam == family]
         assert len(set(values)) == len(values) > 1, family
     # the FP8 plan's tile choice on 132 SMs (dispatch/fp8_plan.h): 64 x 128 while 128-token tiles
-    # leave SMs idle, then 128 x 128, then the wide 128 x 256; a forced tile is kept
+    # leave SMs idle, then 128 x 128, then the wide 128 x 256; a forced tile is kept; its paths
     fp8 = [ops.Fp8Plan(*[v for _, v in f]) for fam, _, f in plans if fam == "fp8"]
+    P = ops.Fp8Path
+    assert [p.path for p in fp8] == [P.SIXTEEN_BIT, P.DECODE_FIRST, P.SIXTEEN_BIT, P.FUSED], fp8
     assert [(p.tile_m, p.tile_n) for p in fp8] == [(64, 128), (128, 128), (128, 256), (256, 128)], fp8
     assert [(p.token_tiles, p.column_groups) for p in fp8] == [(1, 32), (8, 32), (18, 16), (2, 2)], fp8
 

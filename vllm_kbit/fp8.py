@@ -18,6 +18,10 @@ weights meet their x without moving data across lanes: `quantize_act` returns th
 reference of kbit::quantize_act_fp8), `unpermute` undoes it.
 
 The 16-bit GEMV keeps serving M <= GEMV_MAX_M: `gemm` (the op kbit::linear_fp8) chooses by M.
+Above it, kbit::gemm_fp8's plan (csrc/dispatch/fp8_plan.h) takes one of three ways per call:
+the fused kernel, decode-first (kbit::decode_fp8 writes W as e4m3 with step 3's rounding once,
+x is quantized in natural k order, an FP8 GEMM multiplies: the same function up to the fp32
+summation order), or the 16-bit kbit::gemm where that measures faster.
 """
 from __future__ import annotations
 

@@ -16,9 +16,10 @@ as opaque and hand it back to `gemm` unchanged.
   kbit::dequantize_experts(packed[E], absmax[E], codebook, bits, n, k, dtype) -> W[E, n, k]
   kbit::gemm_fp8(x, packed, absmax, codebook, bits, n, k, w_exp, bias?) -> y[M, n]
       FP8 (e4m3) activations, per-token scales; w_exp: fp8.weight_exponent of the layer
-      (from a plan threshold the weights are decoded to e4m3 once and an FP8 GEMM runs)
+      (the plan's path: the fused kernel, the weights decoded to e4m3 once + an FP8 GEMM, or the
+      16-bit kbit::gemm where that is faster; Fp8Plan.path)
   kbit::gemm_fp8_path(x, ..., w_exp, bias?, overrides="") -> y   gemm_fp8 with plan overrides
-                           ("fp8.decode_first=1" forces the decode-first path)
+                           ("fp8.path=0|1|2": fused kernel, decode-first, 16-bit; Fp8Path)
   kbit::decode_fp8(packed, absmax, codebook, bits, n, k, w_exp) -> w_q e4m3 [n, k] (fp8.decode_weight)
   kbit::quantize_act_fp8(x, bits) -> (x_q e4m3 [M, K] in the kernel's k order for bits, natural
                            order for bits = 0, s_x fp32 [M])
@@ -401,7 +402,7 @@ MMA_PLAN_FIELDS = ("bits", "dtype", "config", "tile_m", "tile_n", "splits", "k_t
 WGMMA_PLAN_FIELDS = ("bits", "dtype", "tile_m", "columns", "row_split", "built_per_sm", "split_tall", "splits",
                      "groups", "grid_x", "token_tiles", "column_groups", "launch_per_sm", "chunk", "spread", "y_tma",
                      "pdl")
-FP8_PLAN_FIELDS = ("bits", "dtype", "tile_m", "tile_n", "token_tiles", "column_groups", "decode_first")
+FP8_PLAN_FIELDS = ("bits", "dtype", "tile_m", "tile_n", "token_tiles", "column_groups", "path")
 _DTYPE_CODES = {0: "f16", 1: "bf16", 2: "f32"}  # the plan ops' dtype field (plan_fields.h, dtype_code)
 
 
@@ -432,13 +433,22 @@ class WgmmaPlan(collections.namedtuple("WgmmaPlan", WGMMA_PLAN_FIELDS)):
                 f"cps{self.built_per_sm}{',split_tall' if self.split_tall else ''}>")
 
 
+class Fp8Path(enum.IntEnum):
+    """kbit::gemm_fp8's paths (csrc/dispatch/fp8_plan.h, fp8::Path; the override fp8.path)."""
+    FUSED = 0         # the FP8 kernel, weights decoded in registers
+    DECODE_FIRST = 1  # kbit::decode_fp8 + natural-order x + an FP8 scaled_mm
+    SIXTEEN_BIT = 2   # kbit::gemm with 16-bit activations
+
+
 class Fp8Plan(collections.namedtuple("Fp8Plan", FP8_PLAN_FIELDS)):
     __slots__ = ()
 
     @property
     def kernel(self) -> str:
-        if self.decode_first:
+        if self.path == Fp8Path.DECODE_FIRST:
             return f"decode_fp8<K{self.bits}>+scaled_mm<{_DTYPE_CODES[self.dtype]}>"
+        if self.path == Fp8Path.SIXTEEN_BIT:
+            return f"gemm<K{self.bits},{_DTYPE_CODES[self.dtype]}>"
         return f"fp8<K{self.bits},{_DTYPE_CODES[self.dtype]},mt{self.tile_m},cn{self.tile_n}>"
 
 
@@ -464,10 +474,9 @@ def wgmma_plan(m, n, k, bits, dtype=torch.float16, splits=0, overrides=None) -> 
 
 
 def fp8_plan(m, n, k, bits, dtype=torch.float16, overrides=None) -> Fp8Plan:
-    """The FP8-activation GEMM's plan (its kernel's key, its grid, and decode_first: whether
-    kbit::gemm_fp8 decodes the weights first and runs an FP8 GEMM instead) on the current device,
-    as kbit::gemm_fp8_path(..., overrides) follows it (kbit::gemm_fp8's without overrides;
-    kbit::gemm_fp8_quantized always runs the fused kernel of this key)."""
+    """kbit::gemm_fp8's plan on the current device: the fused kernel's key and grid, and `path`
+    (Fp8Path: what gemm_fp8 runs), as kbit::gemm_fp8_path(..., overrides) follows it
+    (kbit::gemm_fp8's without overrides; kbit::gemm_fp8_quantized always runs the fused kernel)."""
     return Fp8Plan(*torch.ops.kbit.fp8_plan(m, n, k, bits, dtype, plan_overrides(overrides)))
 
 

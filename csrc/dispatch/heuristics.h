@@ -52,22 +52,24 @@ struct Heuristics {
   // ---- FP8-activation GEMM plan (fp8_plan.h): a tile is taken where its CTAs fill this % of the SMs
   int fp8_wide_fill_percent;     // 128 x 256 (the wide CTA, one per SM)
   int fp8_tile128_fill_percent;  // else 128 x 128 (two per SM), else 64 x 128
-  int fp8_decode_min_m;          // from here decode the weights to e4m3 once, then a scaled_mm
+  // ---- kbit::gemm_fp8's path (fp8_plan.h): below both, the 16-bit kbit::gemm (faster there)
+  int fp8_decode_min_m;          // decode the weights to e4m3 once, then a scaled_mm, from here
+  int fp8_fused_min_m;           // the fused kernel from here where no scaled_mm serves (2^30: never)
 };
 
 // The H100 and H200 tables: the values the sweeps chose (docs/PERFORMANCE.md).
 constexpr Heuristics kH100Heuristics = {"h100", {4096, 4096, 3072, 1024}, {1023, 1023, 1023, 512}, 512,
                                         4, 0.9, 8, 3, 0.9, 80,
                                         16, 40, 40, 192, 88, 30, 3, 9, 48,
-                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256, 100, 100, 1024};
+                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256, 100, 100, 1024, 1073741824};
 constexpr Heuristics kH200Heuristics = {"h200", {4096, 4096, 3072, 1024}, {1023, 1023, 1023, 512}, 512,
                                         4, 0.9, 8, 3, 0.9, 80,
                                         16, 40, 40, 192, 88, 30, 3, 9, 48,
-                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256, 100, 100, 1024};
+                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256, 100, 100, 1024, 1073741824};
 constexpr Heuristics kGenericHeuristics = {"generic", {4096, 4096, 3072, 1024}, {1023, 1023, 1023, 512}, 512,
                                            4, 0.9, 8, 3, 0.9, 80,
                                            16, 40, 40, 192, 88, 30, 3, 9, 48,
-                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256, 100, 100, 1024};
+                                        {0.4, 0.6, 1.0}, 0.7, 0.5, 2.0, 2.0, 1.1, 64, 256, 100, 100, 1024, 1073741824};
 
 // What the choice reads of a device (cudaDeviceProp's fields of the same meaning).
 struct DeviceFacts {

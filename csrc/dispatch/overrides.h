@@ -29,8 +29,9 @@
 //   wgmma.zeroed_counters 0: cluster-group counters zeroed in the workspace, not kept zero
 //   fp8.tile_m           64 | 128 | 256: the FP8 GEMM's tokens per CTA (with fp8.tile_n: the tile;
 //   fp8.tile_n           128 | 256: its columns per CTA     either alone: the other 128)
-//   fp8.decode_first     -1 | 0 | 1: 1 decodes the weights to e4m3 once and runs a scaled_mm
-//                        (where one is available), 0 the fused kernel, -1 the plan's choice
+//   fp8.path             -1 | 0 | 1 | 2: kbit::gemm_fp8's path (fp8::Path): 0 the fused kernel,
+//                        1 decode to e4m3 + an FP8 scaled_mm (where one serves the shape, else
+//                        the fused kernel), 2 the 16-bit kbit::gemm; -1 the plan's choice
 //                        the tiles: 64 x 128, 128 x 128, 256 x 128, 128 x 256
 #pragma once
 #include <cstdlib>
@@ -69,7 +70,7 @@ struct WgmmaOverrides {
 struct Fp8Overrides {
   int tile_m = 0;           // 0 with tile_n 0: the plan's; 0 with tile_n set: 128
   int tile_n = 0;           // 0 with tile_m 0: the plan's; 0 with tile_m set: 128
-  int decode_first = -1;    // -1: the plan's; 0: the fused kernel; 1: decode_fp8 + scaled_mm
+  int path = -1;            // -1: the plan's; else an fp8::Path (dispatch/fp8_plan.h)
 };
 
 struct PlanOverrides {
@@ -137,7 +138,7 @@ inline std::string parse_overrides(const std::string& text, PlanOverrides* out) 
     else if (key == "wgmma.zeroed_counters") ok = flag(&out->wgmma.zeroed_counters);
     else if (key == "fp8.tile_m") ok = one_of({0, 64, 128, 256}) && (out->fp8.tile_m = int(v), true);
     else if (key == "fp8.tile_n") ok = one_of({0, 128, 256}) && (out->fp8.tile_n = int(v), true);
-    else if (key == "fp8.decode_first") ok = in(-1, 1) && (out->fp8.decode_first = int(v), true);
+    else if (key == "fp8.path") ok = in(-1, 2) && (out->fp8.path = int(v), true);
     else return "unknown override '" + key + "' (csrc/dispatch/overrides.h lists the keys)";
     if (!ok) return "override " + key + "=" + value + " is out of range (csrc/dispatch/overrides.h)";
   }

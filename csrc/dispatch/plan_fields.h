@@ -78,7 +78,7 @@ inline PlanFields fp8_plan_fields(const Fp8Plan& p) {
           {"tile_n", p.key.tile_n},
           {"token_tiles", p.token_tiles},
           {"column_groups", p.column_groups},
-          {"decode_first", p.decode_first}};
+          {"path", static_cast<int64_t>(p.path)}};
 }
 
 inline std::vector<int64_t> field_values(const PlanFields& f) {

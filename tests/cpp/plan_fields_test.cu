@@ -73,15 +73,17 @@ int main() {
   tall_wgmma.tile_m = 256;
   const WgmmaPlan pt = wg::plan_on(512, 4100, 4096, 2, wt, tall_wgmma, occ);  // split tall CTAs, N % 8 != 0
   print("wgmma", describe(pt.key), wgmma_plan_fields(pt));
-  // FP8 GEMM: the plan's tiles (64 x 128, 128 x 128, 128 x 256 on 132 SMs) and a forced one
+  // FP8 GEMM: the fused kernel's tiles (64 x 128, 128 x 128, 128 x 256 on 132 SMs) and a forced
+  // one; the paths: 16-bit (no scaled_mm at hand), decode-first (one at hand), fused (forced)
   for (const int m : {64, 1024, 2200}) {
     const Fp8Plan p = fp8::plan(kH200Heuristics, m, 4096, 4, m == 1024 ? DType::kBFloat16 : DType::kHalf, kSms,
-                                Fp8Overrides{});
-    print("fp8", describe(p.key), fp8_plan_fields(p));
+                                Fp8Overrides{}, m == 1024);
+    print("fp8", describe(p), fp8_plan_fields(p));
   }
   Fp8Overrides tall;
   tall.tile_m = 256;
+  tall.path = 0;
   const Fp8Plan pf = fp8::plan(kH200Heuristics, 300, 200, 3, DType::kHalf, kSms, tall);
-  print("fp8", describe(pf.key), fp8_plan_fields(pf));
+  print("fp8", describe(pf), fp8_plan_fields(pf));
   return 0;
 }
