@@ -193,10 +193,10 @@ at::Tensor gemm_fp8_decoded(const at::Tensor& x, const at::Tensor& packed, const
     op->callBoxed(&stack);
     return y;
   }
+  // torch's row-wise scaling: bf16 output, the bias added before the one output rounding
   const at::Tensor sb = at::full({1, n}, w_scale, sx.options());
-  at::Tensor y = at::_scaled_mm(xq, wq.t(), sa, sb, c10::nullopt, c10::nullopt, x.scalar_type(), false);
-  if (bias != nullptr) y.add_(*bias);
-  return y;
+  const c10::optional<at::Tensor> b = bias != nullptr ? c10::optional<at::Tensor>(*bias) : c10::nullopt;
+  return at::_scaled_mm(xq, wq.t(), sa, sb, b, c10::nullopt, x.scalar_type(), false);
 }
 
 // The 16-bit path: kbit::gemm (binding.cpp), through the dispatcher.

@@ -3,9 +3,12 @@
 Weights are random codebook indices and E4M4 codes in the checkpoint layout, tiled by
 kbit::repack. The kernel's activation quantizer must match vllm_kbit.fp8.quantize_act bit for bit;
 the GEMM is checked against vllm_kbit.fp8's float64 function of the same e4m3 operands, per element:
-|y - ref| <= 2^-12 * sum_k |x_q w_q| * s_x 2^-r (the fp32 accumulation, generously) plus the
-output's rounding. One wrong 32-block moves an element by ~|x_q w_q| * sqrt(32), far beyond
-the first term for the K used here (bound_catches_one_block checks that on each case).
+|y - ref| <= 2^-10 * sum_k |x_q w_q| * s_x 2^-r (the accumulation) plus the output's rounding.
+Hopper's FP8 MMA keeps fewer bits than fp32 while it accumulates (the fused kernel's wgmma, and
+the fast-accumulation CUTLASS kernels of vLLM's scaled_mm that the decode-first path calls):
+measured on an H100 up to about twice 2^-12 * sum_k |x_q w_q| at K = 2080, so the bound allows
+four times that. One wrong 32-block moves an element by ~|x_q w_q| * sqrt(32), still far beyond
+the first term for the K used here (each case checks that its bound sees one wrong block).
 """
 import torch
 
@@ -16,7 +19,7 @@ from vllm_kbit import ops
 import gemm_cases
 from gemm_cases import poison
 
-ACC_EPS = 2.0 ** -12
+ACC_EPS = 2.0 ** -10
 OUT_EPS = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 
 

@@ -118,13 +118,14 @@ def _moe_self_test() -> str:
 
 
 def _fp8_self_test() -> str:
-    """Run kbit::gemm_fp8 (FP8 activations) once on a random bf16 problem; the kernel its plan
+    """Run kbit::gemm_fp8 (FP8 activations) once on a random bf16 problem of a prefill's size
+    (below it the plan runs 16-bit activations, which the lines above check); the kernel its plan
     names and its relative error against fp8.py's float64 function of the same operands."""
     from vllm_kbit import format as kf
     from vllm_kbit import fp8
     from vllm_kbit import ops
 
-    m, n, k, bits = 64, 256, 512, 4
+    m, n, k, bits = 2048, 256, 512, 4
     w = torch.randn(n, k, device="cuda") * 0.02
     cb = kf.default_codebook(bits, "cuda")
     q, a, _ = ops.quantize(w.to(torch.bfloat16), bits, cb)
