@@ -167,9 +167,15 @@ def fp8_line() -> str:
     why_not = fp8.unavailable_reason()
     if why_not is not None:
         return f"FP8 activations ({how}): not here, 16-bit activations instead: {why_not}"
-    where = ("the CUDA FP8 kernel" if fp8.kernel_available() else
-             "the PyTorch reference (vllm_kbit.fp8), the function the kernel computes")
-    return f"FP8 activations ({how}): {where}, above {fp8.GEMV_MAX_M} tokens"
+    if not fp8.kernel_available():
+        return (f"FP8 activations ({how}): the PyTorch reference (vllm_kbit.fp8), the function the "
+                f"kernels compute, above {fp8.GEMV_MAX_M} tokens")
+    from vllm_kbit import ops
+    m = next((m for m in (2 ** i for i in range(5, 17))
+              if ops.fp8_plan(m, 4096, 4096, 4, torch.bfloat16).path != ops.Fp8Path.SIXTEEN_BIT), None)
+    start = f"from {m} tokens" if m else "nowhere by default"
+    return (f"FP8 activations ({how}): the CUDA kernels, where the plan finds FP8 faster ({start} on an "
+            f"8B-sized bf16 layer here), 16-bit activations elsewhere")
 
 
 def model_line(folder: str) -> tuple[str, str | None]:
