@@ -1,12 +1,13 @@
 """One MoE layer's routed experts, as vLLM runs them inside its moe_forward op, replayed from a
 CUDA graph: kbit K (through vllm_kbit.moe.experts_forward, the code KbitMoEMethod.apply runs;
-each path forced: `gemm` = kbit::moe_gemm, `dense` = dequantize chunks + vLLM's Triton
-fused_experts) against vLLM's bf16 fused_experts and its int4 moe_wna16 path (group 128,
+each path forced: `gemm` = kbit::moe_gemm, `grouped` = kbit::moe_gemm_grouped (the grouped
+wgmma kernel, Hopper), `dense` = dequantize chunks + vLLM's Triton fused_experts) against vLLM's bf16 fused_experts and its int4 moe_wna16 path (group 128,
 through fused_experts with int4_w4a16_moe_quant_config). Routing: fused_topk on random router
 logits, made once outside the graph, the same for every method.
 
   python3 benchmarks/bench_moe.py [--shapes qwen3-30b-a3b,mixtral-8x7b]
-      [--ms 1,4,16,64,256,1024,4096] [--bits 2,3,4,5] [--paths gemm,dense] [--no-baselines] [--out DIR]
+      [--ms 1,4,16,64,256,1024,4096] [--bits 2,3,4,5] [--paths gemm,grouped,dense] [--no-baselines]
+      [--out DIR]
   python3 benchmarks/bench_moe.py --check    # kbit against bf16 fused_experts of its
                                                    # dequantized experts; exits 1 on a mismatch
   --codebooks per-expert: each expert its own codebooks (w13's and w2's, [E, 2^K], as a
@@ -14,7 +15,9 @@ logits, made once outside the graph, the same for every method.
 
 Times: median µs of --reps replays (CUDA events). Results:
 benchmarks/results/bench_moe_<gpu>.json (+ .png), with the GPU, date, commit and command.
-vllm_kbit.moe.DENSE_MIN_PAIRS_PER_EXPERT, the switch between the two kbit paths, is read off these tables.
+vllm_kbit.moe.DENSE_MIN_PAIRS_PER_EXPERT, the switch from kbit::moe_gemm to the large-batch
+path, and GROUPED_TALL_MIN_PAIRS_PER_EXPERT (the grouped kernel's block_m) are read off these
+tables; `grouped` is skipped where ops.has_moe_grouped() is false.
 (benchmarks/bench_moe.py times the kbit MoE ops alone.)
 """
 from __future__ import annotations
@@ -136,7 +139,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default="1,4,16,64,256,1024,4096")
     ap.add_argument("--bits", default="2,3,4,5")
-    ap.add_argument("--paths", default="gemm,dense", help="kbit paths to time (gemm, dense)")
+    ap.add_argument("--paths", default="gemm,grouped,dense", help="kbit paths to time (gemm, grouped, dense)")
     ap.add_argument("--no-baselines", action="store_true", help="kbit only (no bf16 / int4)")
     ap.add_argument("--check", action="store_true", help="compare kbit with bf16 of its dequantized experts")
     ap.add_argument("--codebooks", choices=("shared", "per-expert"), default="shared",
@@ -156,6 +159,9 @@ def main() -> int:
     gpu = torch.cuda.get_device_name(0)
     ms = [int(m) for m in args.ms.split(",")]
     paths = args.paths.split(",")
+    if "grouped" in paths and not ops.has_moe_grouped():
+        print("warning: no grouped MoE kernel on this build / GPU: the grouped path is skipped", file=sys.stderr)
+        paths.remove("grouped")
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows, failures = [], []
     for shape_name in args.shapes.split(","):

@@ -50,6 +50,13 @@ struct MoeKey {
   DType dtype = DType::kHalf;
 };
 
+// moe/grouped_kernel.cuh: moe_grouped_kernel<bits, tile_m, T> (the grouped wgmma MoE GEMM, sm_90a).
+struct MoeGroupedKey {
+  int bits = 4;
+  DType dtype = DType::kHalf;
+  int tile_m = 128;  // tokens per CTA: the block_m of the sorted ids it takes (64 or 128)
+};
+
 // wgmma_fp8/fp8_kernel.cuh: gemm_kernel<bits, tile_m, tile_n, T> (FP8 activations, sm_90a).
 struct Fp8Key {
   int bits = 4;
@@ -91,6 +98,11 @@ inline std::string describe(const WgmmaKey& k) {
 inline std::string describe(const MoeKey& k) {
   char s[48];
   std::snprintf(s, sizeof s, "moe_gemv<K%d,%s>", k.bits, dtype_name(k.dtype));
+  return s;
+}
+inline std::string describe(const MoeGroupedKey& k) {
+  char s[48];
+  std::snprintf(s, sizeof s, "moe_grouped<K%d,%s,mt%d>", k.bits, dtype_name(k.dtype), k.tile_m);
   return s;
 }
 inline std::string describe(const Fp8Key& k) {
