@@ -543,10 +543,10 @@ at::Tensor moe_gemm_grouped(const at::Tensor& x, const at::Tensor& packed, const
                             const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                             const at::Tensor& num_tokens_post_padded, int64_t block_m, int64_t top_k,
                             const c10::optional<at::Tensor>& topk_weights, int64_t activation, bool zero_uncovered) {
-  const MoeCall c = check_moe_call("moe_gemm_grouped", x, packed, absmax, codebook, bits, n, k, sorted_token_ids,
-                                   expert_ids, num_tokens_post_padded, block_m, top_k, topk_weights);
   TORCH_CHECK(moe_grouped_block_m_ok(int(block_m)), msg("kbit::moe_gemm_grouped: block_m must be 64 or 128 (the ",
               "kernel's tokens per CTA), got ", block_m));
+  const MoeCall c = check_moe_call("moe_gemm_grouped", x, packed, absmax, codebook, bits, n, k, sorted_token_ids,
+                                   expert_ids, num_tokens_post_padded, block_m, top_k, topk_weights);
   TORCH_CHECK(activation >= 0 && activation < moe::kActivations, msg("kbit::moe_gemm_grouped: activation must be ",
               "0..", moe::kActivations - 1, " (vllm_kbit.ops.MOE_ACTIVATIONS), got ", activation));
   const bool gated = moe::is_gated(int(activation));

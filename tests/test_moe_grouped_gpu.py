@@ -178,9 +178,9 @@ def test_grouped_codebook_per_expert(bits, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [2, 4])
 def test_grouped_fused_activation(bits, dtype, activation):
-    """Each fused activation against float64, gated ones on n = 2 x 192 (three column groups,
-    the last half-used) and 2 x 128; the unfused output through the same activation in torch
-    lies within the bound too, the wrong halves (up as gate) do not."""
+    """Each fused activation against float64, gated ones on n = 2 x 192 (two column groups, the
+    last half-used) and 2 x 128, the others on n = 328 and 200 (partial slabs); the bound
+    fails for the halves swapped (up as gate)."""
     name = ops.MOE_ACTIVATIONS[activation]
     gated = ops.moe_activation_gated(activation)
     for num_experts, top_k, n, k in [(7, 2, 384, 96), (16, 4, 256, 1056)]:
@@ -283,9 +283,8 @@ def test_grouped_errors():
 @pytest.mark.parametrize("bits", BITS)
 def test_experts_forward_grouped(bits, dtype):
     """vllm_kbit.moe.experts_forward(path="grouped") (both block sizes, with and without an
-    expert map) equals path="gemm" within the rounding of the intermediate (the activation
-    fused in fp32 against vLLM's activation of a rounded h) and float64 within the tolerance of
-    tests/test_moe.py."""
+    expert map) against float64 experts through the same routing: within tests/test_moe.py's
+    tolerance, and about as close as path="gemm" (which rounds h before vLLM's activation)."""
     from vllm_kbit import moe
     hidden, inter, num_experts, top_k = 256, 192, 8, 2
     w13 = _experts(num_experts, 2 * inter, hidden, bits)
@@ -299,12 +298,17 @@ def test_experts_forward_grouped(bits, dtype):
             x = torch.randn(m, hidden, device=DEV).to(dtype)
             y = moe.experts_forward(ex, x, weights, ids, path="grouped")
             y_gemm = moe.experts_forward(ex, x, weights, ids, path="gemm")
-            local = ids.long() if expert_map is None else expert_map.long()[ids.long()]
-            w13_64 = w13[3][local]  # [m, top_k, 2I, H]
-            h = torch.einsum("mh,mknh->mkn", x.double(), w13_64)
-            a = torch.nn.functional.silu(h[..., :inter]) * h[..., inter:]
-            ref = torch.einsum("mki,mkhi,mk->mh", a, w2[3][local], weights.double())
+            local = (ids.long() if expert_map is None else expert_map.long()[ids.long()]).reshape(-1)
+            rows = x.double().repeat_interleave(top_k, dim=0)
+            h = torch.zeros(m * top_k, 2 * inter, dtype=torch.float64, device=DEV)
+            out = torch.zeros(m * top_k, hidden, dtype=torch.float64, device=DEV)
+            for e in range(num_experts):
+                h[local == e] = rows[local == e] @ w13[3][e].t()
+            a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+            for e in range(num_experts):
+                out[local == e] = a[local == e] @ w2[3][e].t()
+            ref = (out * weights.reshape(-1, 1).double()).view(m, top_k, hidden).sum(1)
             err = float((y.double() - ref).norm() / ref.norm())
             err_gemm = float((y_gemm.double() - ref).norm() / ref.norm())
             tol = {torch.float16: 3e-3, torch.bfloat16: 1.5e-2}[dtype]
-            assert err < tol and err <= 1.5 * err_gemm + 1e-4, (bits, dtype, m, err, err_gemm)
+            assert err < tol and err <= 2 * err_gemm + 1e-4, (bits, dtype, m, err, err_gemm)

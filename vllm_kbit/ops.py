@@ -225,7 +225,8 @@ def _moe_gemm_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, exp
 # as the gate and [n/2, n) as the up projection and give n/2 columns act(gate) * up.
 MOE_ACTIVATIONS = ("none", "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul", "silu", "gelu", "gelu_tanh",
                    "relu2")
-_MOE_ACT_FNS = {
+# The activations themselves (the gated ones apply the first to the gate), in torch.
+MOE_ACTIVATION_FNS = {
     "none": lambda t: t,
     "silu": torch.nn.functional.silu,
     "gelu": torch.nn.functional.gelu,
@@ -243,8 +244,8 @@ def moe_activation_apply(activation: int, h: torch.Tensor) -> torch.Tensor:
     name = MOE_ACTIVATIONS[activation]
     if name.endswith("_and_mul"):
         gate, up = h.chunk(2, dim=-1)
-        return _MOE_ACT_FNS[name[:-len("_and_mul")]](gate) * up
-    return _MOE_ACT_FNS[name](h)
+        return MOE_ACTIVATION_FNS[name[:-len("_and_mul")]](gate) * up
+    return MOE_ACTIVATION_FNS[name](h)
 
 
 def check_moe_activation(activation: int, n: int, op: str) -> None:

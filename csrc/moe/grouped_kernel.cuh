@@ -151,6 +151,7 @@ __device__ __forceinline__ void produce_gathered(const GroupedParams& p, int e, 
     }
     cp_async_arrive_noinc(bar);
   }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
 }
 #endif  // KBIT_WGMMA_DEVICE
 
