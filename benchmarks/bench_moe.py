@@ -15,9 +15,9 @@ logits, made once outside the graph, the same for every method.
 
 Times: median µs of --reps replays (CUDA events). Results:
 benchmarks/results/bench_moe_<gpu>.json (+ .png), with the GPU, date, commit and command.
-vllm_kbit.moe.DENSE_MIN_PAIRS_PER_EXPERT, the switch from kbit::moe_gemm to the large-batch
-path, and GROUPED_TALL_MIN_PAIRS_PER_EXPERT (the grouped kernel's block_m) are read off these
-tables; `grouped` is skipped where ops.has_moe_grouped() is false.
+vllm_kbit.moe's switches from kbit::moe_gemm to the large-batch paths
+(GROUPED_MIN_PAIRS_PER_EXPERT, DENSE_MIN_PAIRS_PER_EXPERT) and the grouped kernel's block_m
+(GROUPED_TALL_MIN_PAIRS_PER_EXPERT) are read off these tables; `grouped` is skipped where ops.has_moe_grouped() is false.
 (benchmarks/bench_moe.py times the kbit MoE ops alone.)
 """
 from __future__ import annotations

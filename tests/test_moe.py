@@ -298,7 +298,8 @@ def test_path_switch_and_errors():
     with mock.patch("vllm_kbit.moe._forward_dense", side_effect=RuntimeError("dense")), \
             mock.patch("vllm_kbit.moe._forward_grouped", side_effect=RuntimeError("grouped")):
         experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE))  # 6 pairs: the gemm path
-        with mock.patch("vllm_kbit.moe.DENSE_MIN_PAIRS_PER_EXPERT", 1):
+        with mock.patch("vllm_kbit.moe.DENSE_MIN_PAIRS_PER_EXPERT", 1), \
+                mock.patch("vllm_kbit.moe.GROUPED_MIN_PAIRS_PER_EXPERT", 1):
             with mock.patch("vllm_kbit.ops.has_moe_grouped", return_value=False), \
                     pytest.raises(RuntimeError, match="dense"):
                 experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE))  # no grouped kernel: dense
@@ -315,10 +316,13 @@ def test_grouped_path_choices():
     activation vLLM runs between the GEMMs."""
     from vllm_kbit import moe
     from vllm_kbit.moe_cpu import ACTIVATIONS, moe_activation
+    low, high = moe.GROUPED_MIN_PAIRS_PER_EXPERT, moe.DENSE_MIN_PAIRS_PER_EXPERT
     with mock.patch("vllm_kbit.ops.has_moe_grouped", return_value=True):
-        assert moe.choose_path(127 * 8, 8) == "gemm" and moe.choose_path(128 * 8, 8) == "grouped"
+        assert moe.choose_path((low - 1) * 8, 8) == "gemm" and moe.choose_path(low * 8, 8) == "grouped"
+        assert moe.choose_path(high * 8, 8) == "grouped"
     with mock.patch("vllm_kbit.ops.has_moe_grouped", return_value=False):
-        assert moe.choose_path(128 * 8, 8) == "dense"
+        assert moe.choose_path(low * 8, 8) == "gemm"
+        assert moe.choose_path((high - 1) * 8, 8) == "gemm" and moe.choose_path(high * 8, 8) == "dense"
     assert moe.grouped_block_m(191 * 8, 8) == 64 and moe.grouped_block_m(192 * 8, 8) == 128
     assert set(moe.GROUPED_ACTIVATIONS) == set(ACTIVATIONS)
     h = torch.randn(5, 256, generator=torch.Generator().manual_seed(0), dtype=torch.float64)

@@ -51,12 +51,16 @@ BLOCK_M = 16
 # the align kernel is gone; two tokens on one expert read its weights twice, which is rare
 # while pairs are fewer than half the experts.
 SPARSE_MAX_PAIRS_PER_EXPERT = 0.5
-# From this many (token, expert) pairs per expert a layer leaves kbit::moe_gemm, whose blocks of
-# BLOCK_M pairs each read their expert's weights once, for the grouped tensor-core kernel
-# (Hopper) or, elsewhere, dequantizes its experts and runs vLLM's bf16 / fp16 Triton MoE: the
-# crossover of the dequantize path on Qwen3-30B-A3B's experts lies between 64 and 256
-# (docs/PERFORMANCE.md).
+# Without the grouped kernel (GPUs other than Hopper), from this many (token, expert) pairs per
+# expert a layer dequantizes its experts and runs vLLM's bf16 / fp16 Triton MoE instead of
+# kbit::moe_gemm, whose blocks of BLOCK_M pairs each read their expert's weights once: the
+# crossover on Qwen3-30B-A3B's experts lies between 64 and 256 (docs/PERFORMANCE.md).
 DENSE_MIN_PAIRS_PER_EXPERT = 128
+# Where the grouped tensor-core kernel runs (ops.has_moe_grouped), it replaces kbit::moe_gemm
+# from this many pairs per expert: a first estimate, not a measured crossover (the grouped
+# kernel reads each expert's weights once per 64 pairs and multiplies on the tensor cores,
+# moe_gemm reads them once per BLOCK_M = 16); bench_moe.py's gemm and grouped rows place it.
+GROUPED_MIN_PAIRS_PER_EXPERT = 32
 # The grouped tensor-core kernel (kbit::moe_gemm_grouped) takes blocks of 128 sorted pairs from
 # this many pairs per expert, of 64 below: a 128-token CTA decodes each weight once per 128
 # rows, but pads each expert's run to a multiple of 128.
@@ -193,12 +197,13 @@ def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor
 
 
 def choose_path(num_pairs: int, global_experts: int) -> str:
-    """The path of a batch of `num_pairs` (token, expert) pairs: kbit::moe_gemm below
-    DENSE_MIN_PAIRS_PER_EXPERT pairs per expert; from there the grouped tensor-core kernel where
-    this build and GPU run it (ops.has_moe_grouped: Hopper), else dequantize + fused_experts."""
-    if num_pairs < DENSE_MIN_PAIRS_PER_EXPERT * global_experts:
-        return "gemm"
-    return "grouped" if ops.has_moe_grouped() else "dense"
+    """The path of a batch of `num_pairs` (token, expert) pairs: where this build and GPU run
+    the grouped tensor-core kernel (ops.has_moe_grouped: Hopper), kbit::moe_gemm below
+    GROUPED_MIN_PAIRS_PER_EXPERT pairs per expert and the grouped kernel from there; elsewhere
+    kbit::moe_gemm below DENSE_MIN_PAIRS_PER_EXPERT and dequantize + fused_experts from there."""
+    if ops.has_moe_grouped():
+        return "grouped" if num_pairs >= GROUPED_MIN_PAIRS_PER_EXPERT * global_experts else "gemm"
+    return "dense" if num_pairs >= DENSE_MIN_PAIRS_PER_EXPERT * global_experts else "gemm"
 
 
 def grouped_block_m(num_pairs: int, global_experts: int) -> int:
