@@ -1,7 +1,8 @@
 """One MoE layer's routed experts, as vLLM runs them inside its moe_forward op, replayed from a
 CUDA graph: kbit K (through vllm_kbit.moe.experts_forward, the code KbitMoEMethod.apply runs;
 each path forced: `gemm` = kbit::moe_gemm, `grouped` = kbit::moe_gemm_grouped (the grouped
-wgmma kernel, Hopper), `dense` = dequantize chunks + vLLM's Triton fused_experts) against vLLM's bf16 fused_experts and its int4 moe_wna16 path (group 128,
+wgmma kernel, Hopper; `grouped+KEY=V,...` with plan overrides, e.g. `grouped+moe.one_per_sm=1`),
+`dense` = dequantize chunks + vLLM's Triton fused_experts) against vLLM's bf16 fused_experts and its int4 moe_wna16 path (group 128,
 through fused_experts with int4_w4a16_moe_quant_config). Routing: fused_topk on random router
 logits, made once outside the graph, the same for every method.
 
@@ -159,9 +160,9 @@ def main() -> int:
     gpu = torch.cuda.get_device_name(0)
     ms = [int(m) for m in args.ms.split(",")]
     paths = args.paths.split(",")
-    if "grouped" in paths and not ops.has_moe_grouped():
+    if any(p.startswith("grouped") for p in paths) and not ops.has_moe_grouped():
         print("warning: no grouped MoE kernel on this build / GPU: the grouped path is skipped", file=sys.stderr)
-        paths.remove("grouped")
+        paths = [p for p in paths if not p.startswith("grouped")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows, failures = [], []
     for shape_name in args.shapes.split(","):
@@ -180,7 +181,8 @@ def main() -> int:
             ex = kbit_experts(shape, bits, gen, per_expert_codebooks=args.codebooks == "per-expert")
             cb_tag = "_cb_per_expert" if args.codebooks == "per-expert" else ""
             methods = {f"kbit{bits}_{p}{cb_tag}":
-                       (lambda p: lambda x, tw, tid: experts_forward(ex, x, tw, tid, path=p))(p) for p in paths}
+                       (lambda p, o: lambda x, tw, tid: experts_forward(ex, x, tw, tid, path=p, overrides=o))(
+                           *(p.split("+", 1) + [""])[:2]) for p in paths}
             if args.check:
                 w13, w2 = dequantized(ex)
                 for m, (x, tw, tid) in inputs.items():

@@ -542,7 +542,9 @@ at::Tensor moe_gemm_grouped(const at::Tensor& x, const at::Tensor& packed, const
                             const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
                             const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                             const at::Tensor& num_tokens_post_padded, int64_t block_m, int64_t top_k,
-                            const c10::optional<at::Tensor>& topk_weights, int64_t activation, bool zero_uncovered) {
+                            const c10::optional<at::Tensor>& topk_weights, int64_t activation, bool zero_uncovered,
+                            c10::string_view overrides) {
+  const PlanOverrides o = overrides_from(std::string(overrides), "moe_gemm_grouped");
   TORCH_CHECK(moe_grouped_block_m_ok(int(block_m)), msg("kbit::moe_gemm_grouped: block_m must be 64 or 128 (the ",
               "kernel's tokens per CTA), got ", block_m));
   const MoeCall c = check_moe_call("moe_gemm_grouped", x, packed, absmax, codebook, bits, n, k, sorted_token_ids,
@@ -562,7 +564,8 @@ at::Tensor moe_gemm_grouped(const at::Tensor& x, const at::Tensor& packed, const
                                 sorted_token_ids.data_ptr<int32_t>(), expert_ids.data_ptr<int32_t>(),
                                 num_tokens_post_padded.data_ptr<int32_t>(), c.weights, y.data_ptr(), int(c.experts),
                                 int(c.num_pairs), int(c.num_sorted), int(block_m), int(top_k), int(n), int(k),
-                                int(bits), int(activation), zero_uncovered, at::cuda::getCurrentCUDAStream()),
+                                int(bits), int(activation), zero_uncovered, o.moe.one_per_sm,
+                                at::cuda::getCurrentCUDAStream()),
              "moe_gemm_grouped");
   return y;
 }
@@ -688,12 +691,17 @@ std::string moe_kernel_op(int64_t bits, at::ScalarType dtype) {
 
 bool has_moe_grouped_op() { return moe_grouped_supported(); }
 
-// The grouped MoE kernel kbit::moe_gemm_grouped launches for a bit width, dtype and block_m.
-std::string moe_grouped_kernel_op(int64_t bits, at::ScalarType dtype, int64_t block_m) {
+// The grouped MoE kernel kbit::moe_gemm_grouped launches for these shapes on the current device.
+std::string moe_grouped_kernel_op(int64_t bits, at::ScalarType dtype, int64_t block_m, int64_t num_sorted, int64_t n,
+                                  int64_t activation, c10::string_view overrides) {
   check_bits(bits);
   TORCH_CHECK(moe_grouped_block_m_ok(int(block_m)), msg("kbit::moe_grouped_kernel: block_m must be 64 or 128, got ",
               block_m));
-  return describe(moe_grouped_key(int(bits), plan_dtype(dtype, "moe_grouped_kernel"), int(block_m)));
+  TORCH_CHECK(num_sorted >= 0 && num_sorted < (int64_t(1) << 31) && n > 0 && n <= int64_t(65535) * kUnit &&
+              activation >= 0 && activation < moe::kActivations, msg("kbit::moe_grouped_kernel: bad arguments"));
+  const PlanOverrides o = overrides_from(std::string(overrides), "moe_grouped_kernel");
+  return describe(moe_grouped_key(int(bits), plan_dtype(dtype, "moe_grouped_kernel"), int(block_m), int(num_sorted),
+                                  int(n), int(activation), o.moe.one_per_sm));
 }
 
 // The name of the current device's heuristics table (dispatch/heuristics.h).
@@ -728,7 +736,8 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
         "str overrides=\"\") -> str", &kbit::gemm_kernel_op);
   m.def("moe_kernel(int bits, ScalarType dtype) -> str", &kbit::moe_kernel_op);
   m.def("has_moe_grouped() -> bool", &kbit::has_moe_grouped_op);
-  m.def("moe_grouped_kernel(int bits, ScalarType dtype, int block_m) -> str", &kbit::moe_grouped_kernel_op);
+  m.def("moe_grouped_kernel(int bits, ScalarType dtype, int block_m, int num_sorted, int n, int activation=0, "
+        "str overrides=\"\") -> str", &kbit::moe_grouped_kernel_op);
   m.def("heuristics() -> str", &kbit::heuristics_op);
 }
 

@@ -79,12 +79,17 @@ def moe_family(bits):
     yield "gemv", lambda t: f"{bits}, {t}", "true"
 
 
-MOE_GROUPED_TILES = (64, 128)  # tokens per CTA = block_m of the sorted ids (moe/grouped_kernel.cuh)
+# (tokens per CTA = block_m of the sorted ids, CTAs per SM built for) (moe/grouped_kernel.cuh).
+# No two-per-SM build at K=2: ptxas serializes its wgmma pipeline (C7515).
+MOE_GROUPED_TILES = ((64, 1), (64, 2), (128, 1))
 
 
 def moe_grouped_family(bits):
-    for mt in MOE_GROUPED_TILES:
-        yield f"mt{mt}", lambda t, m=mt: f"{bits}, {m}, {t}", f"k.tile_m == {mt}"
+    for mt, cps in MOE_GROUPED_TILES:
+        if bits == 2 and cps == 2:
+            continue
+        yield (f"mt{mt}_cps{cps}", lambda t, a=(mt, cps): f"{bits}, {a[0]}, {a[1]}, {t}",
+               f"k.tile_m == {mt} && k.built_per_sm == {cps}")
 
 
 def dequant_family(bits):

@@ -32,6 +32,13 @@ DEV = "cuda"
 BITS = [2, 3, 4, 5]
 DTYPES = [torch.float16, torch.bfloat16]
 BLOCK_MS = [64, 128]
+# (block_m, overrides): the kernels, the 64-token tile built for one CTA per SM and for two
+# (csrc/generate_instantiations.py builds no two-per-SM kernel at K=2)
+BUILDS = [(64, "moe.one_per_sm=1"), (64, "moe.one_per_sm=0"), (128, "")]
+
+
+def _builds(bits):
+    return [(bm, o) for bm, o in BUILDS if not (bits == 2 and o == "moe.one_per_sm=0")]
 # (experts, top_k, n, k): 200 columns end inside a 64-column slab, 100 is not a multiple of 8
 # (the element-by-element store), k = 96 / 1056 end half a 64-k unit in; with 128 experts and
 # top-8 most experts get no token at small M
@@ -68,10 +75,11 @@ def _per_expert(num_experts, n, k, bits, seed):
     return packed, ap, cbs, w64
 
 
-def _grouped(x, packed, ap, cb, bits, n, k, aligned, block_m, top_k, weights, activation=0, zero_uncovered=True):
+def _grouped(x, packed, ap, cb, bits, n, k, aligned, block_m, top_k, weights, activation=0, zero_uncovered=True,
+             overrides=""):
     _poison_allocator()
     return torch.ops.kbit.moe_gemm_grouped(x, packed, ap, cb, bits, n, k, *aligned, block_m, top_k, weights,
-                                           activation, zero_uncovered)
+                                           activation, zero_uncovered, overrides)
 
 
 def _check(y, ref, dtype, where, covered=None, off=None):
@@ -87,21 +95,26 @@ def _check(y, ref, dtype, where, covered=None, off=None):
 
 # ------------------------------------------------------------------------------ the GEMM
 
-@pytest.mark.parametrize("block_m", BLOCK_MS)
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: f"bm{b[0]}{'_' + b[1] if b[1] else ''}")
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", BITS)
-def test_grouped_gemm(bits, dtype, shape, block_m):
-    """M = 1, 40, 300 (partial and full blocks, experts with no token), topk_weights given and not."""
+def test_grouped_gemm(bits, dtype, shape, build):
+    """Every kernel: M = 1, 40, 300 (partial and full blocks, experts with no token),
+    topk_weights given and not."""
+    if build not in _builds(bits):
+        pytest.skip("no two-per-SM build at K=2")
+    block_m, overrides = build
     num_experts, top_k, n, k = shape
     packed, ap, cb, w64 = _experts(num_experts, n, k, bits)
     for i, m in enumerate([1, 40, 300]):
         ids, weights = mc.routing(m, num_experts, top_k, DEV, seed=m + block_m)
         tw = weights if i % 2 == 0 else None
         x = torch.randn(m, k, device=DEV).to(dtype)
-        y = _grouped(x, packed, ap, cb, bits, n, k, mc.align(ids, block_m, num_experts), block_m, top_k, tw)
+        y = _grouped(x, packed, ap, cb, bits, n, k, mc.align(ids, block_m, num_experts), block_m, top_k, tw,
+                     overrides=overrides)
         _check(y, mc.moe_expected(x, ids, tw, w64, top_k), dtype,
-               f"bits={bits} {dtype} E={num_experts} top_k={top_k} n={n} k={k} m={m} block_m={block_m}")
+               f"bits={bits} {dtype} E={num_experts} top_k={top_k} n={n} k={k} m={m} block_m={block_m} {overrides}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -136,21 +149,22 @@ def test_grouped_expert_parallel_and_down(bits, dtype):
     global_experts, top_k, n, k = 7, 2, 200, 96
     expert_map = torch.tensor([0, -1, 1, -1, 2, 3, -1], dtype=torch.int32, device=DEV)
     packed, ap, cb, w64 = _experts(4, n, k, bits)
-    for block_m in BLOCK_MS:
+    for block_m, o in _builds(bits):
         for m in (16, 200):
             ids, weights = mc.routing(m, global_experts, top_k, DEV, seed=m)
             aligned = mc.align(ids, block_m, global_experts, expert_map)
             off = expert_map[ids.reshape(-1).long()] < 0
             x = torch.randn(m, k, device=DEV).to(dtype)
             ref = mc.moe_expected(x, ids, None, w64, top_k, expert_map)
-            y = _grouped(x, packed, ap, cb, bits, n, k, aligned, block_m, top_k, None)
-            _check(y, ref, dtype, f"EP up m={m} bm={block_m}", off=off)
-            y = _grouped(x, packed, ap, cb, bits, n, k, aligned, block_m, top_k, None, zero_uncovered=False)
-            _check(y, ref, dtype, f"EP up, uncovered rows left m={m} bm={block_m}", covered=~off)
+            y = _grouped(x, packed, ap, cb, bits, n, k, aligned, block_m, top_k, None, overrides=o)
+            _check(y, ref, dtype, f"EP up m={m} bm={block_m} {o}", off=off)
+            y = _grouped(x, packed, ap, cb, bits, n, k, aligned, block_m, top_k, None, zero_uncovered=False,
+                         overrides=o)
+            _check(y, ref, dtype, f"EP up, uncovered rows left m={m} bm={block_m} {o}", covered=~off)
             x2 = torch.randn(m * top_k, k, device=DEV).to(dtype)
-            y2 = _grouped(x2, packed, ap, cb, bits, n, k, aligned, block_m, 1, weights)
+            y2 = _grouped(x2, packed, ap, cb, bits, n, k, aligned, block_m, 1, weights, overrides=o)
             ref2 = mc.moe_expected(x2, ids.reshape(-1, 1), weights, w64, 1, expert_map)
-            _check(y2, ref2, dtype, f"EP down m={m} bm={block_m}", off=off)
+            _check(y2, ref2, dtype, f"EP down m={m} bm={block_m} {o}", off=off)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -187,12 +201,12 @@ def test_grouped_fused_activation(bits, dtype, activation):
         if not gated:
             n = n - 56  # a partial slab
         packed, ap, cb, w64 = _experts(num_experts, n, k, bits)
-        for block_m, m in ((64, 70), (128, 300)):
+        for (block_m, o), m in zip(_builds(bits), (70, 90, 300)):
             ids, weights = mc.routing(m, num_experts, top_k, DEV, seed=m + activation)
             x = torch.randn(m, k, device=DEV).to(dtype)
             aligned = mc.align(ids, block_m, num_experts)
             tw = weights if block_m == 64 else None
-            y = _grouped(x, packed, ap, cb, bits, n, k, aligned, block_m, top_k, tw, activation)
+            y = _grouped(x, packed, ap, cb, bits, n, k, aligned, block_m, top_k, tw, activation, overrides=o)
             assert y.shape == (m * top_k, n // 2 if gated else n) and bool(torch.isfinite(y).all()), name
             bad = mc.activation_outside(y, x, ids, tw, w64, top_k, activation, dtype)
             assert not bool(bad.any()), f"{name}: {int(bad.sum())} of {bad.numel()} outside, bits={bits} n={n} m={m}"
@@ -263,6 +277,12 @@ def test_grouped_errors():
                                                expert_ids, ntpp, a["block_m"], top_k, a["tw"], a["act"])
 
     call()  # the valid call passes
+    for o in ("moe.one_per_sm=1", "moe.one_per_sm=0"):
+        torch.ops.kbit.moe_gemm_grouped(x, packed, ap, cb, bits, n, k, sorted_ids, expert_ids, ntpp, 64, top_k,
+                                        weights, 0, True, o)
+    with pytest.raises(RuntimeError, match="moe.one_per_sm"):
+        torch.ops.kbit.moe_gemm_grouped(x, packed, ap, cb, bits, n, k, sorted_ids, expert_ids, ntpp, 64, top_k,
+                                        weights, 0, True, "moe.one_per_sm=2")
     with pytest.raises(RuntimeError, match="block_m must be 64 or 128"):
         call(block_m=16)
     with pytest.raises(RuntimeError, match="activation must be"):

@@ -142,7 +142,7 @@ def _moe_grouped_self_test() -> str:
     h = torch.stack([x[p // top_k].double() @ w[int(e)].t() for p, e in enumerate(ids.reshape(-1))])
     ref = ops.moe_activation_apply(silu_and_mul, h)
     err = _checked_error(y, ref)
-    kernel = ops.moe_grouped_kernel(bits, torch.bfloat16, block_m)
+    kernel = ops.moe_grouped_kernel(bits, torch.bfloat16, block_m, aligned[0].numel(), n, silu_and_mul)
     return f"MoE experts, large batches (moe_gemm_grouped, {kernel}): ok, relative error {err:.1e}"
 
 

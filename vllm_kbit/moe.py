@@ -160,12 +160,14 @@ def sparse_blocks(topk_ids: torch.Tensor):
 
 
 def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                    apply_router_weight_on_input: bool = False, path: str | None = None) -> torch.Tensor:
+                    apply_router_weight_on_input: bool = False, path: str | None = None,
+                    overrides: str = "") -> torch.Tensor:
     """The routed experts' output [M, H] in x.dtype: sum over k of topk_weights[:, k] times expert
     topk_ids[:, k] applied to x (the router weights multiply x instead when
     apply_router_weight_on_input). `path`: "gemm" (kbit::moe_gemm), "grouped"
     (kbit::moe_gemm_grouped, Hopper), "dense" (dequantize + fused_experts), or None
-    (choose_path)."""
+    (choose_path). `overrides`: the grouped kernel's plan overrides (csrc/dispatch/overrides.h,
+    `moe.*`; tests and benchmarks)."""
     m, top_k = topk_ids.shape
     global_e = ex.global_num_experts if ex.global_num_experts > 0 else ex.num_experts
     if path is None:
@@ -178,7 +180,7 @@ def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor
         return _forward_dense(ex, x, topk_weights, topk_ids, apply_router_weight_on_input)
     if path == "grouped":
         return _forward_grouped(ex, x, topk_weights, topk_ids, apply_router_weight_on_input,
-                                grouped_block_m(m * top_k, global_e))
+                                grouped_block_m(m * top_k, global_e), overrides)
     if ex.expert_map is None and m * top_k <= SPARSE_MAX_PAIRS_PER_EXPERT * global_e:
         block_m, (sorted_ids, expert_ids, num_post) = 1, sparse_blocks(topk_ids)
     else:
@@ -211,7 +213,7 @@ def grouped_block_m(num_pairs: int, global_experts: int) -> int:
     return 128 if num_pairs >= GROUPED_TALL_MIN_PAIRS_PER_EXPERT * global_experts else 64
 
 
-def _forward_grouped(ex, x, topk_weights, topk_ids, apply_router_weight_on_input, block_m):
+def _forward_grouped(ex, x, topk_weights, topk_ids, apply_router_weight_on_input, block_m, overrides=""):
     m, top_k = topk_ids.shape
     global_e = ex.global_num_experts if ex.global_num_experts > 0 else ex.num_experts
     sorted_ids, expert_ids, num_post = align_block_size(topk_ids, block_m, global_e, ex.expert_map)
@@ -225,13 +227,14 @@ def _forward_grouped(ex, x, topk_weights, topk_ids, apply_router_weight_on_input
         act = 0
     # the down projection reads only the rows of covered pairs: h needs no zeroing
     h = torch.ops.kbit.moe_gemm_grouped(x, ex.w13, ex.w13_absmax, ex.codebook, ex.bits, ex.n13, ex.hidden,
-                                        sorted_ids, expert_ids, num_post, block_m, top_k, None, act, False)
+                                        sorted_ids, expert_ids, num_post, block_m, top_k, None, act, False,
+                                        overrides)
     a = h if act else moe_activation(ex.activation, h)
     # pairs of experts off this rank are in no block: their rows must be 0 for moe_sum
     y = torch.ops.kbit.moe_gemm_grouped(a, ex.w2, ex.w2_absmax, ex.w2_codebooks, ex.bits, ex.hidden, ex.inter,
                                         sorted_ids, expert_ids, num_post, block_m, 1,
                                         None if apply_router_weight_on_input else topk_weights, 0,
-                                        ex.expert_map is not None)
+                                        ex.expert_map is not None, overrides)
     return moe_sum(y.view(m, top_k, ex.hidden))
 
 

@@ -15,9 +15,10 @@ as opaque and hand it back to `gemm` unchanged.
                  num_tokens_post_padded, block_m, top_k, topk_weights?) -> y[T*top_k, n]
   kbit::moe_gemm_grouped(x, packed[E], absmax[E], codebook, bits, n, k, sorted_token_ids, expert_ids,
                          num_tokens_post_padded, block_m, top_k, topk_weights?, activation=0,
-                         zero_uncovered=True) -> y[T*top_k, n or n/2]
+                         zero_uncovered=True, overrides="") -> y[T*top_k, n or n/2]
       the grouped tensor-core form (Hopper; block_m 64 or 128), the activation
-      (MOE_ACTIVATIONS) fused; rows no block covers zeroed only where zero_uncovered
+      (MOE_ACTIVATIONS) fused; rows no block covers zeroed only where zero_uncovered;
+      overrides: "moe.one_per_sm=0|1" forces the 64-token build (the reference ignores them)
   kbit::dequantize_experts(packed[E], absmax[E], codebook, bits, n, k, dtype) -> W[E, n, k]
   kbit::gemm_fp8(x, packed, absmax, codebook, bits, n, k, w_exp, bias?) -> y[M, n]
       FP8 (e4m3) activations, per-token scales; w_exp: fp8.weight_exponent of the layer
@@ -52,8 +53,8 @@ _lib.define("moe_gemm(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, i
             "int block_m, int top_k, Tensor? topk_weights=None) -> Tensor")
 _lib.define("moe_gemm_grouped(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, "
             "SymInt k, Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, "
-            "int block_m, int top_k, Tensor? topk_weights=None, int activation=0, bool zero_uncovered=True) "
-            "-> Tensor")
+            "int block_m, int top_k, Tensor? topk_weights=None, int activation=0, bool zero_uncovered=True, "
+            "str overrides=\"\") -> Tensor")
 _lib.define("dequantize_experts(Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, "
             "SymInt k, ScalarType dtype) -> Tensor")
 _lib.define("gemm_fp8(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, SymInt k, "
@@ -261,7 +262,7 @@ def check_moe_activation(activation: int, n: int, op: str) -> None:
 
 def _moe_gemm_grouped_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
                           num_tokens_post_padded, block_m, top_k, topk_weights=None, activation=0,
-                          zero_uncovered=True):
+                          zero_uncovered=True, overrides=""):
     # the kernel's function: activation and router weight in float32, one rounding; uncovered
     # rows are 0 whatever zero_uncovered says (the kernel leaves them unspecified without it)
     check_moe_activation(activation, n, "moe_gemm_grouped")
@@ -332,7 +333,7 @@ def _moe_gemm_fake(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, ex
 @torch.library.register_fake("kbit::moe_gemm_grouped")
 def _moe_gemm_grouped_fake(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
                            num_tokens_post_padded, block_m, top_k, topk_weights=None, activation=0,
-                           zero_uncovered=True):
+                           zero_uncovered=True, overrides=""):
     check_moe_activation(activation, n, "moe_gemm_grouped")
     return x.new_empty((x.shape[0] * top_k, n // 2 if moe_activation_gated(activation) else n))
 
@@ -543,9 +544,11 @@ def has_moe_grouped() -> bool:
     return HAS_CUDA_KERNELS and hasattr(torch.ops.kbit, "has_moe_grouped") and torch.ops.kbit.has_moe_grouped()
 
 
-def moe_grouped_kernel(bits, dtype=torch.float16, block_m=128) -> str:
-    """The grouped MoE kernel kbit::moe_gemm_grouped runs at this block_m."""
-    return torch.ops.kbit.moe_grouped_kernel(bits, dtype, block_m)
+def moe_grouped_kernel(bits, dtype, block_m, num_sorted, n, activation=0, overrides=None) -> str:
+    """The grouped MoE kernel kbit::moe_gemm_grouped runs for these shapes (num_sorted: the length
+    of the sorted ids) on the current device."""
+    return torch.ops.kbit.moe_grouped_kernel(bits, dtype, block_m, num_sorted, n, activation,
+                                             plan_overrides(overrides))
 
 
 def heuristics_table() -> str:

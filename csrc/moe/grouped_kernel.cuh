@@ -5,20 +5,22 @@
 // Work. vLLM's moe_align_block_size groups the (token, expert) pairs by expert into blocks of
 // block_m = MT sorted ids, each block one expert. A CTA takes one block and one group of 256
 // columns: exactly the dense wgmma kernel's 128- or 64-token CTA (wgmma/config.cuh Cfg<BITS, MT,
-// 256, 2, 1>: a producer warpgroup, two consumer warpgroups that split each unit's row tiles,
-// the wide pair table at K = 3, 4), whose main loop (wgmma/mainloop.cuh consume: decode + wgmma
+// 256, 2, CPS>: two consumer warpgroups that split each unit's row tiles; built for one CTA per
+// SM, with a producer warpgroup and the wide pair table at K = 3, 4, or at 64 tokens for two,
+// whose consumers issue the copies), whose main loop (wgmma/mainloop.cuh consume: decode + wgmma
 // with x^T as the shared-memory B operand) runs unchanged on the block's expert: W's units at
 // packed + e * expert_words, its absmax at absmax + e * expert_bytes, its codebook at codebook +
 // e * codebook_stride (one table fill per CTA either way).
 //
 // What differs from the dense kernel is where x comes from and where y goes:
 //   * x rows are gathered: token row r of the tile is x[sorted_ids[m0 + r] / top_k]. A TMA box
-//     cannot gather rows, so the producer warpgroup's 128 threads copy them with cp.async, 16 B
-//     a thread and row, into the 128 B swizzle the descriptor reads (chunk c of row r at chunk
-//     c ^ (r % 8)), zero-filled for padding ids and past K; each thread's
-//     cp.async.mbarrier.arrive.noinc completes the stage's mbarrier with its copies, beside the
-//     W units' bulk copies (one thread, as in the dense kernel). The rows' sources are looked up
-//     once per CTA into the 512 bytes each stage leaves unused after its W units.
+//     cannot gather rows, so the issuers (the producer warpgroup's 128 threads, or all 256
+//     consumers) copy them with cp.async, 16 B a thread and row, into the 128 B swizzle the
+//     descriptor reads (chunk c of row r at chunk c ^ (r % 8)), zero-filled for padding ids and
+//     past K; each issuer's cp.async.mbarrier.arrive.noinc completes the stage's mbarrier with
+//     its copies, beside the W units' bulk copies (one thread). The consumers fence the proxies
+//     before their wgmmas read the tile (consume's kGatheredX). The rows' sources are looked
+//     up once per CTA into the 512 bytes each stage leaves unused after its W units.
 //   * the epilogue stages the fp32 accumulators in shared memory, then writes y row by row:
 //     16 B stores to y[sorted_ids[m0 + r]] (the scatter), after the activation (fused: the gate
 //     and up columns of one output sit in the same CTA, below) and times the pair's router
@@ -42,13 +44,17 @@
 namespace kbit {
 namespace moe {
 
-// The CTA: the dense wgmma kernel's 256-column, two-warpgroup CTA with a producer warpgroup.
-template <int BITS, int MT> struct GroupedCfg {
-  using C = wg::Cfg<BITS, MT, kGroupedColumns, 2, 1>;
-  static_assert(C::kProducer && !C::kTall && C::kSlabsCta == 4, "the producer CTA of four slabs");
-  static constexpr int kProducerThreads = 128;
-  // stage s's "full" mbarrier: the producer's 128 cp.async arrivals and the W issuer's expect_tx
-  static constexpr int kFullCount = kProducerThreads + 1;
+// The CTA: the dense wgmma kernel's 256-column, two-warpgroup CTA, built for CPS CTAs per SM:
+// one (64 or 128 tokens: a producer warpgroup, the wide pair table at K = 3, 4) or two (64
+// tokens: the consumers issue the copies themselves).
+template <int BITS, int MT, int CPS> struct GroupedCfg {
+  using C = wg::Cfg<BITS, MT, kGroupedColumns, 2, CPS>;
+  static_assert(!C::kTall && C::kSlabsCta == 4 && C::kProducer == (CPS == 1), "the 256-column CTA of two warpgroups");
+  // the threads that copy x rows: the producer warpgroup, or every consumer
+  static constexpr int kIssuers = C::kProducer ? 128 : C::kConsumers;
+  static_assert(MT * 8 % kIssuers == 0, "each issuer copies whole rows' chunks");
+  // stage s's "full" mbarrier: every issuer's cp.async arrival and the W issuer's expect_tx
+  static constexpr int kFullCount = kIssuers + 1;
   static constexpr int kWBytes = C::kSlabsCta * C::kUnitBytes;
   // the rows' source tokens (int32 [MT], -1 for padding), in stage 0 after its W units
   static constexpr int kRowTableOff = C::kXBytes + kWBytes;
@@ -58,7 +64,7 @@ template <int BITS, int MT> struct GroupedCfg {
   static constexpr int kTileStride = kGroupedColumns + 4;
   static constexpr int kTileBytes = MT * kTileStride * 4;
   static_assert(kTileBytes <= (C::kWideLut ? C::kWideUsable : C::kBarOff), "the epilogue tile fits");
-  static_assert(C::kThreads == C::kConsumers + kProducerThreads, "one producer warpgroup");
+  static_assert(C::kThreads == C::kConsumers + (C::kProducer ? 128 : 0), "one producer warpgroup, if any");
 };
 
 #if KBIT_WGMMA_DEVICE
@@ -109,47 +115,53 @@ __device__ __forceinline__ int slab_unit(const GroupedParams& p, int cg, int sl,
   return *ok ? nu : 0;
 }
 
-// The producer warpgroup: gives its registers to the consumers, then streams K-tile i into
-// stage i % kStages once the consumers have handed the stage back: thread 0 the four W units
-// (bulk copies, their bytes announced on the stage's mbarrier), every thread its 16 B chunk
-// c = thread % 8 of rows thread / 8 + 16 j.
-template <int BITS, int MT, typename T, typename StageAddr>
-__device__ __forceinline__ void produce_gathered(const GroupedParams& p, int e, int cg, int ptid, uint32_t bar0,
-                                                 uint32_t empty0, uint32_t rows, const StageAddr& stage_addr) {
-  using G = GroupedCfg<BITS, MT>;
+// K-tile i into the stage at `st` with its mbarrier `bar`: issuer 0 the four W units (bulk
+// copies, their bytes announced on the mbarrier), every issuer its 16 B chunk c = itid % 8 of
+// rows itid / 8 + j kIssuers / 8 (cp.async, zeros for padding rows and past K), then its arrival.
+template <int BITS, int MT, int CPS, typename T>
+__device__ __forceinline__ void issue_tile(const GroupedParams& p, const uint32_t* packed, const uint8_t* absmax,
+                                           int cg, int itid, int i, uint32_t st, uint32_t bar, uint32_t rows) {
+  using G = GroupedCfg<BITS, MT, CPS>;
   using C = typename G::C;
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+  // the consumers' reads of the stage (LDS of W, wgmma of x) before the copies that refill it
+  wg::fence_proxy_async();
+  if (itid == 0) {
+    wg::mbar_arrive_expect_tx(bar, G::kWBytes);
+#pragma unroll
+    for (int sl = 0; sl < C::kSlabsCta; ++sl) {
+      bool ok;
+      const long long unit = (long long)slab_unit(p, cg, sl, &ok) * p.ku_count + i;
+      const uint32_t wd = st + C::kXBytes + sl * C::kUnitBytes;
+      wg::bulk_load(wd, packed + unit * unit_words(BITS), BITS * 512, bar);
+      wg::bulk_load(wd + BITS * 512, absmax + unit * kUnitAbsmaxBytes, kUnitAbsmaxBytes, bar);
+    }
+  }
   const T* x = static_cast<const T*>(p.x);
-  const uint32_t* packed = p.packed + (long long)e * p.expert_words;
-  const uint8_t* absmax = p.absmax + (long long)e * p.expert_bytes;
-  const int c = ptid & 7, r0 = ptid >> 3;
+  const int c = itid & 7, kk = i * kUnitK + 8 * c;
+  constexpr int kRowStep = G::kIssuers / 8;
+#pragma unroll
+  for (int j = 0; j < MT / kRowStep; ++j) {
+    const int r = (itid >> 3) + kRowStep * j;
+    const int tok = int(lds_u32(rows + 4 * r));
+    const bool ok = tok >= 0 && kk < p.k;
+    const T* src = ok ? x + (long long)tok * p.k + kk : x;
+    cp_async16(st + r * 128 + ((c ^ (r & 7)) << 4), src, ok);
+  }
+  cp_async_arrive_noinc(bar);
+}
+
+// The producer warpgroup (one CTA per SM): gives its registers to the consumers, then streams
+// K-tile i into stage i % kStages once the consumers have handed the stage back.
+template <int BITS, int MT, int CPS, typename T, typename StageAddr>
+__device__ __forceinline__ void produce_gathered(const GroupedParams& p, const uint32_t* packed, const uint8_t* absmax,
+                                                 int cg, int ptid, uint32_t bar0, uint32_t empty0, uint32_t rows,
+                                                 const StageAddr& stage_addr) {
+  using C = typename GroupedCfg<BITS, MT, CPS>::C;
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
   for (int i = 0; i < p.ku_count; ++i) {
     const int sg = i % C::kStages;
     if (i >= C::kStages) mbar_wait(empty0 + 8 * sg, ((i / C::kStages) - 1) & 1);
-    const uint32_t st = stage_addr(sg), bar = bar0 + 8 * sg;
-    // the consumers' reads of the stage (LDS of W, wgmma of x) before the copies that refill it
-    wg::fence_proxy_async();
-    if (ptid == 0) {
-      wg::mbar_arrive_expect_tx(bar, G::kWBytes);
-#pragma unroll
-      for (int sl = 0; sl < C::kSlabsCta; ++sl) {
-        bool ok;
-        const long long unit = (long long)slab_unit(p, cg, sl, &ok) * p.ku_count + i;
-        const uint32_t wd = st + C::kXBytes + sl * C::kUnitBytes;
-        wg::bulk_load(wd, packed + unit * unit_words(BITS), BITS * 512, bar);
-        wg::bulk_load(wd + BITS * 512, absmax + unit * kUnitAbsmaxBytes, kUnitAbsmaxBytes, bar);
-      }
-    }
-    const int kk = i * kUnitK + 8 * c;
-#pragma unroll
-    for (int j = 0; j < MT / 16; ++j) {
-      const int r = r0 + 16 * j;
-      const int tok = int(lds_u32(rows + 4 * r));
-      const bool ok = tok >= 0 && kk < p.k;
-      const T* src = ok ? x + (long long)tok * p.k + kk : x;
-      cp_async16(st + r * 128 + ((c ^ (r & 7)) << 4), src, ok);
-    }
-    cp_async_arrive_noinc(bar);
+    issue_tile<BITS, MT, CPS, T>(p, packed, absmax, cg, ptid, i, stage_addr(sg), bar0 + 8 * sg, rows);
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
 }
@@ -157,10 +169,11 @@ __device__ __forceinline__ void produce_gathered(const GroupedParams& p, int e, 
 
 // Grid (1, blocks of sorted ids, column groups): the blocks of one column group, consecutive
 // in the sorted order and mostly of one expert, run next to each other and share its W in L2.
-template <int BITS, int MT, typename T>
-__global__ void __launch_bounds__(GroupedCfg<BITS, MT>::C::kThreads, 1) moe_grouped_kernel(const GroupedParams p) {
+template <int BITS, int MT, int CPS, typename T>
+__global__ void __launch_bounds__(GroupedCfg<BITS, MT, CPS>::C::kThreads, CPS)
+    moe_grouped_kernel(const GroupedParams p) {
 #if KBIT_WGMMA_DEVICE
-  using G = GroupedCfg<BITS, MT>;
+  using G = GroupedCfg<BITS, MT, CPS>;
   using C = typename G::C;
   constexpr int kThreads = C::kConsumers, kSets = C::kSets;
   const int block = blockIdx.y, cg = blockIdx.z, m0 = block * MT;
@@ -197,7 +210,7 @@ __global__ void __launch_bounds__(GroupedCfg<BITS, MT>::C::kThreads, 1) moe_grou
 #pragma unroll
     for (int s = 0; s < C::kStages; ++s) {
       mbar_init(bar0 + 8 * s, G::kFullCount);
-      mbar_init(empty0 + 8 * s, kThreads);
+      if constexpr (C::kProducer) mbar_init(empty0 + 8 * s, kThreads);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -209,12 +222,16 @@ __global__ void __launch_bounds__(GroupedCfg<BITS, MT>::C::kThreads, 1) moe_grou
     }
     sts_s32(rows + 4 * r, tok);
   }
+  const uint32_t* packed = p.packed + (long long)e * p.expert_words;
+  const uint8_t* absmax = p.absmax + (long long)e * p.expert_bytes;
   __syncthreads();  // barriers initialised, row table written
-  if (producer) {
-    produce_gathered<BITS, MT, T>(p, e, cg, tid - kThreads, bar0, empty0, rows, stage_addr);
-    return;
+  if constexpr (C::kProducer) {
+    if (producer) {
+      produce_gathered<BITS, MT, CPS, T>(p, packed, absmax, cg, tid - kThreads, bar0, empty0, rows, stage_addr);
+      return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 
   float acc[kSets][MT / 2];
 #pragma unroll
@@ -223,11 +240,18 @@ __global__ void __launch_bounds__(GroupedCfg<BITS, MT>::C::kThreads, 1) moe_grou
     for (int i = 0; i < MT / 2; ++i) acc[r][i] = 0.f;
   StreamParams q = {};
   q.codebook = p.codebook + (long long)e * p.codebook_stride;  // what consume reads of its params
-  const wg::CtaTile<BITS, MT, kGroupedColumns, 2, 1> tl{
+  const wg::CtaTile<BITS, MT, kGroupedColumns, 2, CPS> tl{
       smem, base, lut_base, n_low, bar0, empty0, tid, lane, warp, slab, wgi, 0, pr0, g, t4, 0, 1, 0, true, m0, 0,
       p.ku_count, false};
-  const auto no_issue = [](int) {};
-  wg::consume<BITS, MT, kGroupedColumns, 2, 1, T, true>(tl, q, stage_addr, no_issue, acc);
+  // without a producer, consume issues K-tile i (i < nt) itself, from every consumer thread
+  const auto issue = [&](int i) {
+    if constexpr (!C::kProducer) {
+      if (i < p.ku_count)
+        issue_tile<BITS, MT, CPS, T>(p, packed, absmax, cg, tid, i, stage_addr(i % C::kStages),
+                                     bar0 + 8 * (i % C::kStages), rows);
+    }
+  };
+  wg::consume<BITS, MT, kGroupedColumns, 2, CPS, T, true>(tl, q, stage_addr, issue, acc);
 
   // ---- epilogue: accumulators -> the fp32 tile [token row][CTA column] -> y rows
   wg::named_sync(1, kThreads);  // every consumer is done with the pipeline's shared memory
@@ -287,10 +311,10 @@ __global__ void __launch_bounds__(GroupedCfg<BITS, MT>::C::kThreads, 1) moe_grou
 
 // Launch of one instantiation: `blocks` blocks of sorted ids x `column_groups` CTAs (the first
 // call opts the kernel into its shared memory).
-template <int BITS, int MT, typename T>
+template <int BITS, int MT, int CPS, typename T>
 cudaError_t launch_grouped(const GroupedParams& p, int blocks, int column_groups, cudaStream_t stream) {
-  using C = typename GroupedCfg<BITS, MT>::C;
-  const auto kernel = moe_grouped_kernel<BITS, MT, T>;
+  using C = typename GroupedCfg<BITS, MT, CPS>::C;
+  const auto kernel = moe_grouped_kernel<BITS, MT, CPS, T>;
   static const cudaError_t opt_in = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kBytes);
   if (opt_in != cudaSuccess) return opt_in;
   kernel<<<dim3(1, blocks, column_groups), C::kThreads, C::kBytes, stream>>>(p);
@@ -298,9 +322,9 @@ cudaError_t launch_grouped(const GroupedParams& p, int blocks, int column_groups
 }
 
 // The selector's entry of one instantiation (moe_grouped_kernels.h, generated).
-template <int BITS, int MT, typename T>
+template <int BITS, int MT, int CPS, typename T>
 constexpr MoeGroupedKernel kernel_entry() {
-  return {&launch_grouped<BITS, MT, T>, MT};
+  return {&launch_grouped<BITS, MT, CPS, T>, MT};
 }
 
 }  // namespace moe
