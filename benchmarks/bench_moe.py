@@ -1,7 +1,8 @@
 """One MoE layer's routed experts, as vLLM runs them inside its moe_forward op, replayed from a
 CUDA graph: kbit K (through vllm_kbit.moe.experts_forward, the code KbitMoEMethod.apply runs;
 each path forced: `gemm` = kbit::moe_gemm, `grouped` = kbit::moe_gemm_grouped (the grouped
-wgmma kernel, Hopper; `grouped+KEY=V,...` with plan overrides, e.g. `grouped+moe.one_per_sm=1`),
+wgmma kernel, Hopper; `grouped@B` at block_m B = 64, 128 or 256, `grouped+KEY=V,...` with plan
+overrides, e.g. `grouped@64+moe.one_per_sm=1`),
 `dense` = dequantize chunks + vLLM's Triton fused_experts) against vLLM's bf16 fused_experts and its int4 moe_wna16 path (group 128,
 through fused_experts with int4_w4a16_moe_quant_config). Routing: fused_topk on random router
 logits, made once outside the graph, the same for every method.
@@ -18,7 +19,8 @@ Times: median µs of --reps replays (CUDA events). Results:
 benchmarks/results/bench_moe_<gpu>.json (+ .png), with the GPU, date, commit and command.
 vllm_kbit.moe's switches from kbit::moe_gemm to the large-batch paths
 (GROUPED_MIN_PAIRS_PER_EXPERT, DENSE_MIN_PAIRS_PER_EXPERT) and the grouped kernel's block_m
-(GROUPED_TALL_MIN_PAIRS_PER_EXPERT) are read off these tables; `grouped` is skipped where ops.has_moe_grouped() is false.
+(GROUPED_MT128_MIN_PAIRS_PER_EXPERT, GROUPED_MT256_MIN_PAIRS_PER_EXPERT) are read off these
+tables; `grouped` paths are skipped where ops.has_moe_grouped() is false.
 (benchmarks/bench_moe.py times the kbit MoE ops alone.)
 """
 from __future__ import annotations
@@ -131,6 +133,13 @@ def time_methods(shape_name, methods, inputs, reps, rows):
             print(f"{shape_name} M={m} {name}: {us:.1f} us", flush=True)
 
 
+def path_spec(spec):
+    """`path[@block_m][+overrides]` -> (path, block_m or None, overrides)."""
+    path, _, overrides = spec.partition("+")
+    path, _, block_m = path.partition("@")
+    return path, int(block_m) if block_m else None, overrides
+
+
 def rel_err(y, ref):
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -181,8 +190,9 @@ def main() -> int:
             ex = kbit_experts(shape, bits, gen, per_expert_codebooks=args.codebooks == "per-expert")
             cb_tag = "_cb_per_expert" if args.codebooks == "per-expert" else ""
             methods = {f"kbit{bits}_{p}{cb_tag}":
-                       (lambda p, o: lambda x, tw, tid: experts_forward(ex, x, tw, tid, path=p, overrides=o))(
-                           *(p.split("+", 1) + [""])[:2]) for p in paths}
+                       (lambda p, bm, o: lambda x, tw, tid: experts_forward(ex, x, tw, tid, path=p, overrides=o,
+                                                                           block_m=bm))(*path_spec(p))
+                       for p in paths}
             if args.check:
                 w13, w2 = dequantized(ex)
                 for m, (x, tw, tid) in inputs.items():

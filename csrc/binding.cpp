@@ -536,7 +536,7 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   return y;
 }
 
-// The grouped wgmma form (Hopper): blocks of block_m = 64 or 128, the activation fused into
+// The grouped wgmma form (Hopper): blocks of block_m = 64, 128 or 256, the activation fused into
 // the epilogue (vllm_kbit/ops.py MOE_ACTIVATIONS), uncovered rows zeroed only on request.
 at::Tensor moe_gemm_grouped(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
                             const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
@@ -545,8 +545,8 @@ at::Tensor moe_gemm_grouped(const at::Tensor& x, const at::Tensor& packed, const
                             const c10::optional<at::Tensor>& topk_weights, int64_t activation, bool zero_uncovered,
                             c10::string_view overrides) {
   const PlanOverrides o = overrides_from(std::string(overrides), "moe_gemm_grouped");
-  TORCH_CHECK(moe_grouped_block_m_ok(int(block_m)), msg("kbit::moe_gemm_grouped: block_m must be 64 or 128 (the ",
-              "kernel's tokens per CTA), got ", block_m));
+  TORCH_CHECK(moe_grouped_block_m_ok(int(block_m)), msg("kbit::moe_gemm_grouped: block_m must be 64, 128 or 256 ",
+              "(the kernels' tokens per CTA), got ", block_m));
   const MoeCall c = check_moe_call("moe_gemm_grouped", x, packed, absmax, codebook, bits, n, k, sorted_token_ids,
                                    expert_ids, num_tokens_post_padded, block_m, top_k, topk_weights);
   TORCH_CHECK(activation >= 0 && activation < moe::kActivations, msg("kbit::moe_gemm_grouped: activation must be ",
@@ -695,8 +695,8 @@ bool has_moe_grouped_op() { return moe_grouped_supported(); }
 std::string moe_grouped_kernel_op(int64_t bits, at::ScalarType dtype, int64_t block_m, int64_t num_sorted, int64_t n,
                                   int64_t activation, c10::string_view overrides) {
   check_bits(bits);
-  TORCH_CHECK(moe_grouped_block_m_ok(int(block_m)), msg("kbit::moe_grouped_kernel: block_m must be 64 or 128, got ",
-              block_m));
+  TORCH_CHECK(moe_grouped_block_m_ok(int(block_m)), msg("kbit::moe_grouped_kernel: block_m must be 64, 128 or 256, ",
+              "got ", block_m));
   TORCH_CHECK(num_sorted >= 0 && num_sorted < (int64_t(1) << 31) && n > 0 && n <= int64_t(65535) * kUnit &&
               activation >= 0 && activation < moe::kActivations, msg("kbit::moe_grouped_kernel: bad arguments"));
   const PlanOverrides o = overrides_from(std::string(overrides), "moe_grouped_kernel");

@@ -81,7 +81,7 @@ def moe_family(bits):
 
 # (tokens per CTA = block_m of the sorted ids, CTAs per SM built for) (moe/grouped_kernel.cuh).
 # No two-per-SM build at K=2: ptxas serializes its wgmma pipeline (C7515).
-MOE_GROUPED_TILES = ((64, 1), (64, 2), (128, 1))
+MOE_GROUPED_TILES = ((64, 1), (64, 2), (128, 1), (256, 1))
 
 
 def moe_grouped_family(bits):

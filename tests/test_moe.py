@@ -323,7 +323,8 @@ def test_grouped_path_choices():
     with mock.patch("vllm_kbit.ops.has_moe_grouped", return_value=False):
         assert moe.choose_path(low * 8, 8) == "gemm"
         assert moe.choose_path((high - 1) * 8, 8) == "gemm" and moe.choose_path(high * 8, 8) == "dense"
-    assert moe.grouped_block_m(191 * 8, 8) == 64 and moe.grouped_block_m(192 * 8, 8) == 128
+    mid, tall = moe.GROUPED_MT128_MIN_PAIRS_PER_EXPERT, moe.GROUPED_MT256_MIN_PAIRS_PER_EXPERT
+    assert [moe.grouped_block_m(p * 8, 8) for p in (mid - 1, mid, tall - 1, tall)] == [64, 128, 128, 256]
     assert set(moe.GROUPED_ACTIVATIONS) == set(ACTIVATIONS)
     h = torch.randn(5, 256, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     for act, code in moe.GROUPED_ACTIVATIONS.items():
@@ -348,7 +349,7 @@ def test_grouped_op_fake_and_reference_errors():
         y = torch.ops.kbit.moe_gemm_grouped(x, packed, absmax, cb, 3, 128, 64, s, e, p, 64, 2, None, 1)
         assert y.shape == (10, 64)
     if not ops.HAS_CUDA_KERNELS:
-        with pytest.raises(ValueError, match="block_m must be 64 or 128"):
+        with pytest.raises(ValueError, match="block_m must be 64, 128 or 256"):
             torch.ops.kbit.moe_gemm_grouped(x, packed, absmax, cb, 3, 128, 64, s, e, p, 16, 2)
         with pytest.raises(ValueError, match="activation must be 0..7"):
             torch.ops.kbit.moe_gemm_grouped(x, packed, absmax, cb, 3, 128, 64, s, e, p, 64, 2, None, 8)

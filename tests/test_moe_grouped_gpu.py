@@ -1,5 +1,5 @@
 """GPU tests of kbit::moe_gemm_grouped (vllm_kbit._C): the grouped wgmma MoE GEMM over blocks of
-64 or 128 sorted pair ids (Hopper, sm_90a builds), and the MoE layer's "grouped" path.
+64, 128 or 256 sorted pair ids (Hopper, sm_90a builds), and the MoE layer's "grouped" path.
 
 Skipped cleanly without a GPU, without the built extension, or where the build / GPU has no
 grouped kernel (ops.has_moe_grouped). Experts as in test_moe_kernels_gpu.py (random float
@@ -31,10 +31,10 @@ pytestmark = [pytest.mark.gpu,
 DEV = "cuda"
 BITS = [2, 3, 4, 5]
 DTYPES = [torch.float16, torch.bfloat16]
-BLOCK_MS = [64, 128]
+BLOCK_MS = [64, 128, 256]
 # (block_m, overrides): the kernels, the 64-token tile built for one CTA per SM and for two
 # (csrc/generate_instantiations.py builds no two-per-SM kernel at K=2)
-BUILDS = [(64, "moe.one_per_sm=1"), (64, "moe.one_per_sm=0"), (128, "")]
+BUILDS = [(64, "moe.one_per_sm=1"), (64, "moe.one_per_sm=0"), (128, ""), (256, "")]
 
 
 def _builds(bits):
@@ -201,7 +201,7 @@ def test_grouped_fused_activation(bits, dtype, activation):
         if not gated:
             n = n - 56  # a partial slab
         packed, ap, cb, w64 = _experts(num_experts, n, k, bits)
-        for (block_m, o), m in zip(_builds(bits), (70, 90, 300)):
+        for (block_m, o), m in zip(_builds(bits), (70, 90, 300, 600)):
             ids, weights = mc.routing(m, num_experts, top_k, DEV, seed=m + activation)
             x = torch.randn(m, k, device=DEV).to(dtype)
             aligned = mc.align(ids, block_m, num_experts)
@@ -283,7 +283,7 @@ def test_grouped_errors():
     with pytest.raises(RuntimeError, match="moe.one_per_sm"):
         torch.ops.kbit.moe_gemm_grouped(x, packed, ap, cb, bits, n, k, sorted_ids, expert_ids, ntpp, 64, top_k,
                                         weights, 0, True, "moe.one_per_sm=2")
-    with pytest.raises(RuntimeError, match="block_m must be 64 or 128"):
+    with pytest.raises(RuntimeError, match="block_m must be 64, 128 or 256"):
         call(block_m=16)
     with pytest.raises(RuntimeError, match="activation must be"):
         call(act=len(ops.MOE_ACTIVATIONS))
@@ -302,7 +302,7 @@ def test_grouped_errors():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", BITS)
 def test_experts_forward_grouped(bits, dtype):
-    """vllm_kbit.moe.experts_forward(path="grouped") (both block sizes, with and without an
+    """vllm_kbit.moe.experts_forward(path="grouped") (every block size, with and without an
     expert map) against float64 experts through the same routing: within tests/test_moe.py's
     tolerance, and about as close as path="gemm" (which rounds h before vLLM's activation)."""
     from vllm_kbit import moe
@@ -313,7 +313,7 @@ def test_experts_forward_grouped(bits, dtype):
         ex = moe.KbitExperts(w13=w13[0], w13_absmax=w13[1], w2=w2[0], w2_absmax=w2[1], codebook=w13[2], bits=bits,
                              hidden=hidden, inter=inter, gated=True, global_num_experts=num_experts,
                              expert_map=expert_map)
-        for m in (100, 1000):
+        for m in (100, 1000, 2100):  # block_m 64, 128, 256 (vllm_kbit.moe.grouped_block_m)
             ids, weights = mc.routing(m, num_experts, top_k, DEV, seed=m + bits)
             x = torch.randn(m, hidden, device=DEV).to(dtype)
             y = moe.experts_forward(ex, x, weights, ids, path="grouped")

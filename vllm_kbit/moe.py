@@ -17,7 +17,7 @@ from `...experts.{e}.{proj}.codebook`, and the MoE ops decode expert e with row 
 Forward (`experts_forward`), vLLM's fused_moe recipe with kbit GEMMs:
   small batches: moe_align_block_size -> kbit::moe_gemm (w13) -> activation -> kbit::moe_gemm
                  (w2, times the router weights) -> moe_sum;
-  large batches, Hopper (sm_90a build): moe_align_block_size at block_m 64 / 128 ->
+  large batches, Hopper (sm_90a build): moe_align_block_size at block_m 64 / 128 / 256 ->
                  kbit::moe_gemm_grouped (w13, the activation fused into its epilogue) ->
                  kbit::moe_gemm_grouped (w2, times the router weights) -> moe_sum;
   large batches elsewhere ("dense"): kbit::dequantize_experts on chunks of experts (bounded
@@ -62,9 +62,11 @@ DENSE_MIN_PAIRS_PER_EXPERT = 128
 # moe_gemm reads them once per BLOCK_M = 16); bench_moe.py's gemm and grouped rows place it.
 GROUPED_MIN_PAIRS_PER_EXPERT = 32
 # The grouped tensor-core kernel (kbit::moe_gemm_grouped) takes blocks of 128 sorted pairs from
-# this many pairs per expert, of 64 below: a 128-token CTA decodes each weight once per 128
-# rows, but pads each expert's run to a multiple of 128.
-GROUPED_TALL_MIN_PAIRS_PER_EXPERT = 192
+# this many pairs per expert, of 256 (its tall CTA) from the second, of 64 below: a larger CTA
+# decodes each weight once for more rows, but pads each expert's run to a multiple of its rows.
+# First estimates, for bench_moe.py (`--paths grouped@64,grouped@128,grouped@256`) to place.
+GROUPED_MT128_MIN_PAIRS_PER_EXPERT = 192
+GROUPED_MT256_MIN_PAIRS_PER_EXPERT = 512
 # The activations kbit::moe_gemm_grouped fuses into its epilogue (ops.MOE_ACTIVATIONS codes).
 GROUPED_ACTIVATIONS = {
     MoEActivation.SILU: ops.MOE_ACTIVATIONS.index("silu_and_mul"),
@@ -161,13 +163,13 @@ def sparse_blocks(topk_ids: torch.Tensor):
 
 def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                     apply_router_weight_on_input: bool = False, path: str | None = None,
-                    overrides: str = "") -> torch.Tensor:
+                    overrides: str = "", block_m: int | None = None) -> torch.Tensor:
     """The routed experts' output [M, H] in x.dtype: sum over k of topk_weights[:, k] times expert
     topk_ids[:, k] applied to x (the router weights multiply x instead when
     apply_router_weight_on_input). `path`: "gemm" (kbit::moe_gemm), "grouped"
     (kbit::moe_gemm_grouped, Hopper), "dense" (dequantize + fused_experts), or None
     (choose_path). `overrides`: the grouped kernel's plan overrides (csrc/dispatch/overrides.h,
-    `moe.*`; tests and benchmarks)."""
+    `moe.*`) and `block_m` its CTA's tokens (None: grouped_block_m), for tests and benchmarks."""
     m, top_k = topk_ids.shape
     global_e = ex.global_num_experts if ex.global_num_experts > 0 else ex.num_experts
     if path is None:
@@ -180,7 +182,7 @@ def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor
         return _forward_dense(ex, x, topk_weights, topk_ids, apply_router_weight_on_input)
     if path == "grouped":
         return _forward_grouped(ex, x, topk_weights, topk_ids, apply_router_weight_on_input,
-                                grouped_block_m(m * top_k, global_e), overrides)
+                                block_m or grouped_block_m(m * top_k, global_e), overrides)
     if ex.expert_map is None and m * top_k <= SPARSE_MAX_PAIRS_PER_EXPERT * global_e:
         block_m, (sorted_ids, expert_ids, num_post) = 1, sparse_blocks(topk_ids)
     else:
@@ -210,7 +212,9 @@ def choose_path(num_pairs: int, global_experts: int) -> str:
 
 def grouped_block_m(num_pairs: int, global_experts: int) -> int:
     """kbit::moe_gemm_grouped's block_m (its CTA's tokens) for this many pairs."""
-    return 128 if num_pairs >= GROUPED_TALL_MIN_PAIRS_PER_EXPERT * global_experts else 64
+    if num_pairs >= GROUPED_MT256_MIN_PAIRS_PER_EXPERT * global_experts:
+        return 256
+    return 128 if num_pairs >= GROUPED_MT128_MIN_PAIRS_PER_EXPERT * global_experts else 64
 
 
 def _forward_grouped(ex, x, topk_weights, topk_ids, apply_router_weight_on_input, block_m, overrides=""):

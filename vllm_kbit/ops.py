@@ -16,7 +16,7 @@ as opaque and hand it back to `gemm` unchanged.
   kbit::moe_gemm_grouped(x, packed[E], absmax[E], codebook, bits, n, k, sorted_token_ids, expert_ids,
                          num_tokens_post_padded, block_m, top_k, topk_weights?, activation=0,
                          zero_uncovered=True, overrides="") -> y[T*top_k, n or n/2]
-      the grouped tensor-core form (Hopper; block_m 64 or 128), the activation
+      the grouped tensor-core form (Hopper; block_m 64, 128 or 256), the activation
       (MOE_ACTIVATIONS) fused; rows no block covers zeroed only where zero_uncovered;
       overrides: "moe.one_per_sm=0|1" forces the 64-token build (the reference ignores them)
   kbit::dequantize_experts(packed[E], absmax[E], codebook, bits, n, k, dtype) -> W[E, n, k]
@@ -266,8 +266,8 @@ def _moe_gemm_grouped_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_
     # the kernel's function: activation and router weight in float32, one rounding; uncovered
     # rows are 0 whatever zero_uncovered says (the kernel leaves them unspecified without it)
     check_moe_activation(activation, n, "moe_gemm_grouped")
-    if block_m not in (64, 128):
-        raise ValueError(f"kbit::moe_gemm_grouped: block_m must be 64 or 128 (the kernel's tokens per CTA), "
+    if block_m not in (64, 128, 256):
+        raise ValueError(f"kbit::moe_gemm_grouped: block_m must be 64, 128 or 256 (the kernels' tokens per CTA), "
                          f"got {block_m}")
     y = _moe_pairs_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
                        num_tokens_post_padded, block_m, top_k, "moe_gemm_grouped")

@@ -55,7 +55,7 @@ struct MoeKey {
 struct MoeGroupedKey {
   int bits = 4;
   DType dtype = DType::kHalf;
-  int tile_m = 128;      // tokens per CTA: the block_m of the sorted ids it takes (64 or 128)
+  int tile_m = 128;      // tokens per CTA: the block_m of the sorted ids it takes (64, 128, 256)
   int built_per_sm = 1;  // CTAs per SM the kernel is built for: 1 (a producer warpgroup) or 2 (at 64)
 };
 

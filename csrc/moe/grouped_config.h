@@ -9,8 +9,9 @@
 namespace kbit {
 namespace moe {
 
-// Columns of W per CTA: the wgmma kernel's 256-column CTA, four 64-column slabs.
-constexpr int kGroupedColumns = 256;
+// Columns of W per CTA: the wgmma kernel's 256-column CTA (four 64-column slabs), or at 256
+// tokens its tall CTA's 128 (two slabs).
+__host__ __device__ constexpr int grouped_columns(int tile_m) { return tile_m == 256 ? 128 : 256; }
 
 // The activation the epilogue applies to a CTA's outputs (vllm_kbit/moe_cpu.py ACTIVATIONS, the
 // ones vLLM's apply_moe_activation runs without clamp parameters). The gated ones ("and_mul")

@@ -3,12 +3,13 @@
 // moe/instantiations/moe_grouped_k<BITS>.cu, launched by moe/grouped_launch.cu.
 //
 // Work. vLLM's moe_align_block_size groups the (token, expert) pairs by expert into blocks of
-// block_m = MT sorted ids, each block one expert. A CTA takes one block and one group of 256
-// columns: exactly the dense wgmma kernel's 128- or 64-token CTA (wgmma/config.cuh Cfg<BITS, MT,
-// 256, 2, CPS>: two consumer warpgroups that split each unit's row tiles; built for one CTA per
-// SM, with a producer warpgroup and the wide pair table at K = 3, 4, or at 64 tokens for two,
-// whose consumers issue the copies), whose main loop (wgmma/mainloop.cuh consume: decode + wgmma
-// with x^T as the shared-memory B operand) runs unchanged on the block's expert: W's units at
+// block_m = MT sorted ids, each block one expert. A CTA takes one block and one group of
+// columns: exactly the dense wgmma kernel's CTA of MT tokens (wgmma/config.cuh Cfg<BITS, MT, CN,
+// 2, CPS>: two consumer warpgroups that split each unit's row tiles; 256 columns at 64 and 128
+// tokens, the tall CTA's 128 at 256; built for one CTA per SM, with a producer warpgroup and the
+// wide pair table at K = 3, 4, or at 64 tokens for two, whose consumers issue the copies), whose
+// main loop (wgmma/mainloop.cuh consume: decode + wgmma with x^T as the shared-memory B operand)
+// runs unchanged on the block's expert: W's units at
 // packed + e * expert_words, its absmax at absmax + e * expert_bytes, its codebook at codebook +
 // e * codebook_stride (one table fill per CTA either way).
 //
@@ -20,14 +21,15 @@
 //     past K; each issuer's cp.async.mbarrier.arrive.noinc completes the stage's mbarrier with
 //     its copies, beside the W units' bulk copies (one thread). The consumers fence the proxies
 //     before their wgmmas read the tile (consume's kGatheredX). The rows' sources are looked
-//     up once per CTA into the 512 bytes each stage leaves unused after its W units.
+//     up once per CTA into the bytes stages 0 and 1 leave unused after their W units.
 //   * the epilogue stages the fp32 accumulators in shared memory, then writes y row by row:
 //     16 B stores to y[sorted_ids[m0 + r]] (the scatter), after the activation (fused: the gate
 //     and up columns of one output sit in the same CTA, below) and times the pair's router
 //     weight, both in fp32, rounded once. Padding rows are not written.
-//   * gated activations: CTA column group z multiplies gate units 2z, 2z + 1 (slabs 0, 1) and
-//     the up units of the same columns, n_units / 2 + 2z, + 1 (slabs 2, 3), so it writes the 128
-//     columns act(gate) * up of 128 z.. (n / 2 a multiple of 64: the launcher checks it).
+//   * gated activations: the first half of a CTA's S slabs multiplies gate units (S / 2) z ..,
+//     the second half the up units of the same columns, n_units / 2 + (S / 2) z .., so column
+//     group z writes the CN / 2 columns act(gate) * up from (CN / 2) z (n / 2 a multiple of 64:
+//     the launcher checks it).
 // Blocks past num_tokens_post_padded and of expert -1 (not on this rank) exit before reading
 // anything else; the grid depends on the shapes only (CUDA-graph safe). No split-K: a layer's
 // blocks x column groups fill the GPU at the batch sizes this kernel serves.
@@ -44,24 +46,26 @@
 namespace kbit {
 namespace moe {
 
-// The CTA: the dense wgmma kernel's 256-column, two-warpgroup CTA, built for CPS CTAs per SM:
-// one (64 or 128 tokens: a producer warpgroup, the wide pair table at K = 3, 4) or two (64
-// tokens: the consumers issue the copies themselves).
+// The CTA: the dense wgmma kernel's two-warpgroup CTA of 256 columns (64 or 128 tokens) or its
+// tall CTA of 128 columns (256 tokens), built for CPS CTAs per SM: one (a producer warpgroup,
+// the wide pair table at K = 3, 4) or two (64 tokens: the consumers issue the copies).
 template <int BITS, int MT, int CPS> struct GroupedCfg {
-  using C = wg::Cfg<BITS, MT, kGroupedColumns, 2, CPS>;
-  static_assert(!C::kTall && C::kSlabsCta == 4 && C::kProducer == (CPS == 1), "the 256-column CTA of two warpgroups");
+  static constexpr int kColumns = grouped_columns(MT);
+  using C = wg::Cfg<BITS, MT, kColumns, 2, CPS>;
+  static_assert(C::kSlabsCta * kUnitN == kColumns && C::kProducer == (CPS == 1), "the CTA of two warpgroups");
   // the threads that copy x rows: the producer warpgroup, or every consumer
   static constexpr int kIssuers = C::kProducer ? 128 : C::kConsumers;
   static_assert(MT * 8 % kIssuers == 0, "each issuer copies whole rows' chunks");
   // stage s's "full" mbarrier: every issuer's cp.async arrival and the W issuer's expect_tx
   static constexpr int kFullCount = kIssuers + 1;
   static constexpr int kWBytes = C::kSlabsCta * C::kUnitBytes;
-  // the rows' source tokens (int32 [MT], -1 for padding), in stage 0 after its W units
+  // the rows' source tokens (int32, -1 for padding) after the W units of stage 0 (rows 0..127)
+  // and stage 1 (rows 128..255)
   static constexpr int kRowTableOff = C::kXBytes + kWBytes;
-  static_assert(C::kStageBytes - kRowTableOff >= MT * 4, "the row table fits a stage's tail");
-  // the epilogue's fp32 tile [MT][256 + 4] (the pad: the 8 g x 4 t4 lanes of one accumulator
-  // register hit 32 banks), over the drained pipeline, below the mbarriers
-  static constexpr int kTileStride = kGroupedColumns + 4;
+  static_assert(C::kStageBytes - kRowTableOff >= (MT < 128 ? MT : 128) * 4, "the row table fits a stage's tail");
+  // the epilogue's fp32 tile [MT][columns + 4] (the pad: the 8 g x 4 t4 lanes of one
+  // accumulator register hit 32 banks), over the drained pipeline, below the mbarriers
+  static constexpr int kTileStride = kColumns + 4;
   static constexpr int kTileBytes = MT * kTileStride * 4;
   static_assert(kTileBytes <= (C::kWideLut ? C::kWideUsable : C::kBarOff), "the epilogue tile fits");
   static_assert(C::kThreads == C::kConsumers + (C::kProducer ? 128 : 0), "one producer warpgroup, if any");
@@ -99,28 +103,37 @@ __device__ __forceinline__ float activate(int activation, float v) {
   }
 }
 
-// The expert's layout unit column of CTA slab `sl` in column group `cg`; *ok false past the
-// weight (then unit column 0 is read and never used).
+// The expert's layout unit column of slab `sl` of the S slabs of column group `cg`; *ok false
+// past the weight (then unit column 0 is read and never used). Gated: the first S / 2 slabs are
+// gate units, the others the up units of the same columns.
+template <int S>
 __device__ __forceinline__ int slab_unit(const GroupedParams& p, int cg, int sl, bool* ok) {
   const int units = n_units(p.n);
   int nu;
   if (is_gated(p.activation)) {
-    const int half = units / 2, j = 2 * cg + (sl & 1);
-    nu = (sl < 2 ? 0 : half) + j;
+    const int half = units / 2, j = (S / 2) * cg + sl % (S / 2);
+    nu = (sl < S / 2 ? 0 : half) + j;
     *ok = j < half;
   } else {
-    nu = cg * 4 + sl;
+    nu = cg * S + sl;
     *ok = nu < units;
   }
   return *ok ? nu : 0;
 }
 
+// The row table's entry of tile row r (GroupedCfg::kRowTableOff).
+__device__ __forceinline__ uint32_t row_entry(uint32_t rows_lo, uint32_t rows_hi, int r) {
+  return r < 128 ? rows_lo + 4 * r : rows_hi + 4 * (r - 128);
+}
+
 // K-tile i into the stage at `st` with its mbarrier `bar`: issuer 0 the four W units (bulk
 // copies, their bytes announced on the mbarrier), every issuer its 16 B chunk c = itid % 8 of
 // rows itid / 8 + j kIssuers / 8 (cp.async, zeros for padding rows and past K), then its arrival.
+// The W issuer is the producer warpgroup's thread 0, or without one consumer thread 0.
 template <int BITS, int MT, int CPS, typename T>
 __device__ __forceinline__ void issue_tile(const GroupedParams& p, const uint32_t* packed, const uint8_t* absmax,
-                                           int cg, int itid, int i, uint32_t st, uint32_t bar, uint32_t rows) {
+                                           int cg, int itid, int i, uint32_t st, uint32_t bar, uint32_t rows_lo,
+                                           uint32_t rows_hi) {
   using G = GroupedCfg<BITS, MT, CPS>;
   using C = typename G::C;
   // the consumers' reads of the stage (LDS of W, wgmma of x) before the copies that refill it
@@ -130,7 +143,7 @@ __device__ __forceinline__ void issue_tile(const GroupedParams& p, const uint32_
 #pragma unroll
     for (int sl = 0; sl < C::kSlabsCta; ++sl) {
       bool ok;
-      const long long unit = (long long)slab_unit(p, cg, sl, &ok) * p.ku_count + i;
+      const long long unit = (long long)slab_unit<C::kSlabsCta>(p, cg, sl, &ok) * p.ku_count + i;
       const uint32_t wd = st + C::kXBytes + sl * C::kUnitBytes;
       wg::bulk_load(wd, packed + unit * unit_words(BITS), BITS * 512, bar);
       wg::bulk_load(wd + BITS * 512, absmax + unit * kUnitAbsmaxBytes, kUnitAbsmaxBytes, bar);
@@ -142,7 +155,7 @@ __device__ __forceinline__ void issue_tile(const GroupedParams& p, const uint32_
 #pragma unroll
   for (int j = 0; j < MT / kRowStep; ++j) {
     const int r = (itid >> 3) + kRowStep * j;
-    const int tok = int(lds_u32(rows + 4 * r));
+    const int tok = int(lds_u32(row_entry(rows_lo, rows_hi, r)));
     const bool ok = tok >= 0 && kk < p.k;
     const T* src = ok ? x + (long long)tok * p.k + kk : x;
     cp_async16(st + r * 128 + ((c ^ (r & 7)) << 4), src, ok);
@@ -154,14 +167,14 @@ __device__ __forceinline__ void issue_tile(const GroupedParams& p, const uint32_
 // K-tile i into stage i % kStages once the consumers have handed the stage back.
 template <int BITS, int MT, int CPS, typename T, typename StageAddr>
 __device__ __forceinline__ void produce_gathered(const GroupedParams& p, const uint32_t* packed, const uint8_t* absmax,
-                                                 int cg, int ptid, uint32_t bar0, uint32_t empty0, uint32_t rows,
-                                                 const StageAddr& stage_addr) {
+                                                 int cg, int ptid, uint32_t bar0, uint32_t empty0, uint32_t rows_lo,
+                                                 uint32_t rows_hi, const StageAddr& stage_addr) {
   using C = typename GroupedCfg<BITS, MT, CPS>::C;
   asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
   for (int i = 0; i < p.ku_count; ++i) {
     const int sg = i % C::kStages;
     if (i >= C::kStages) mbar_wait(empty0 + 8 * sg, ((i / C::kStages) - 1) & 1);
-    issue_tile<BITS, MT, CPS, T>(p, packed, absmax, cg, ptid, i, stage_addr(sg), bar0 + 8 * sg, rows);
+    issue_tile<BITS, MT, CPS, T>(p, packed, absmax, cg, ptid, i, stage_addr(sg), bar0 + 8 * sg, rows_lo, rows_hi);
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
 }
@@ -187,7 +200,10 @@ __global__ void __launch_bounds__(GroupedCfg<BITS, MT, CPS>::C::kThreads, CPS)
   const uint32_t base = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
   uint8_t* smem = smem_raw + (base - raw_addr);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int slab = warp & 3, wgi = warp >> 2, pr0 = 2 * wgi;  // row split R = 2 (wgmma/kernel.cuh)
+  // row split R = 2, as wgmma/kernel.cuh places the warps: warpgroup wgi takes row tiles 2 wgi
+  // (+ 1) of each unit; in the tall CTA warp w multiplies row tile 2 wgi + qp of slab w & 1
+  const int slab = C::kTall ? (warp & 1) : (warp & 3), wgi = warp >> 2;
+  const int qp = C::kTall ? (warp >> 1) & 1 : 0, pr0 = 2 * wgi + qp;
   const int g = lane >> 2, t4 = lane & 3;
   const bool producer = tid >= kThreads;
 
@@ -205,7 +221,7 @@ __global__ void __launch_bounds__(GroupedCfg<BITS, MT, CPS>::C::kThreads, CPS)
   };
   const uint32_t bar0 = base + (C::kWideLut ? C::kWideUsable : C::kBarOff);
   const uint32_t empty0 = bar0 + 8 * C::kStages;
-  const uint32_t rows = stage_addr(0) + G::kRowTableOff;
+  const uint32_t rows_lo = stage_addr(0) + G::kRowTableOff, rows_hi = stage_addr(1) + G::kRowTableOff;
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < C::kStages; ++s) {
@@ -220,14 +236,15 @@ __global__ void __launch_bounds__(GroupedCfg<BITS, MT, CPS>::C::kThreads, CPS)
       const int id = __ldg(p.sorted_ids + m0 + r);
       if (unsigned(id) < unsigned(p.num_pairs)) tok = id / p.top_k;
     }
-    sts_s32(rows + 4 * r, tok);
+    sts_s32(row_entry(rows_lo, rows_hi, r), tok);
   }
   const uint32_t* packed = p.packed + (long long)e * p.expert_words;
   const uint8_t* absmax = p.absmax + (long long)e * p.expert_bytes;
   __syncthreads();  // barriers initialised, row table written
   if constexpr (C::kProducer) {
     if (producer) {
-      produce_gathered<BITS, MT, CPS, T>(p, packed, absmax, cg, tid - kThreads, bar0, empty0, rows, stage_addr);
+      produce_gathered<BITS, MT, CPS, T>(p, packed, absmax, cg, tid - kThreads, bar0, empty0, rows_lo, rows_hi,
+                                         stage_addr);
       return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -240,18 +257,19 @@ __global__ void __launch_bounds__(GroupedCfg<BITS, MT, CPS>::C::kThreads, CPS)
     for (int i = 0; i < MT / 2; ++i) acc[r][i] = 0.f;
   StreamParams q = {};
   q.codebook = p.codebook + (long long)e * p.codebook_stride;  // what consume reads of its params
-  const wg::CtaTile<BITS, MT, kGroupedColumns, 2, CPS> tl{
-      smem, base, lut_base, n_low, bar0, empty0, tid, lane, warp, slab, wgi, 0, pr0, g, t4, 0, 1, 0, true, m0, 0,
+  constexpr int CN = G::kColumns;
+  const wg::CtaTile<BITS, MT, CN, 2, CPS> tl{
+      smem, base, lut_base, n_low, bar0, empty0, tid, lane, warp, slab, wgi, qp, pr0, g, t4, 0, 1, 0, true, m0, 0,
       p.ku_count, false};
   // without a producer, consume issues K-tile i (i < nt) itself, from every consumer thread
   const auto issue = [&](int i) {
     if constexpr (!C::kProducer) {
       if (i < p.ku_count)
         issue_tile<BITS, MT, CPS, T>(p, packed, absmax, cg, tid, i, stage_addr(i % C::kStages),
-                                     bar0 + 8 * (i % C::kStages), rows);
+                                     bar0 + 8 * (i % C::kStages), rows_lo, rows_hi);
     }
   };
-  wg::consume<BITS, MT, kGroupedColumns, 2, CPS, T, true>(tl, q, stage_addr, issue, acc);
+  wg::consume<BITS, MT, CN, 2, CPS, T, true>(tl, q, stage_addr, issue, acc);
 
   // ---- epilogue: accumulators -> the fp32 tile [token row][CTA column] -> y rows
   wg::named_sync(1, kThreads);  // every consumer is done with the pipeline's shared memory
@@ -266,7 +284,7 @@ __global__ void __launch_bounds__(GroupedCfg<BITS, MT, CPS>::C::kThreads, CPS)
     }
   wg::named_sync(1, kThreads);
   const bool gated = is_gated(p.activation);
-  const int out_cols = gated ? kGroupedColumns / 2 : kGroupedColumns;  // columns of y this CTA writes
+  const int out_cols = gated ? CN / 2 : CN;  // columns of y this CTA writes
   const int chunks = out_cols / 8, col_base = cg * out_cols;
   const bool vec = p.n_out % 8 == 0;
   T* y = static_cast<T*>(p.y);
@@ -281,8 +299,8 @@ __global__ void __launch_bounds__(GroupedCfg<BITS, MT, CPS>::C::kThreads, CPS)
     const float4 a0 = *reinterpret_cast<const float4*>(src), a1 = *reinterpret_cast<const float4*>(src + 4);
     v[0] = a0.x, v[1] = a0.y, v[2] = a0.z, v[3] = a0.w, v[4] = a1.x, v[5] = a1.y, v[6] = a1.z, v[7] = a1.w;
     if (gated) {
-      const float4 b0 = *reinterpret_cast<const float4*>(src + kGroupedColumns / 2);
-      const float4 b1 = *reinterpret_cast<const float4*>(src + kGroupedColumns / 2 + 4);
+      const float4 b0 = *reinterpret_cast<const float4*>(src + CN / 2);
+      const float4 b1 = *reinterpret_cast<const float4*>(src + CN / 2 + 4);
       const float u[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
 #pragma unroll
       for (int c = 0; c < 8; ++c) v[c] = activate(p.activation, v[c]) * u[c];

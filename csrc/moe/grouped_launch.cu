@@ -1,5 +1,5 @@
 // Launch of the grouped wgmma MoE GEMM (moe/grouped_kernel.cuh) for bits 2..5 x fp16 / bf16 x
-// block_m 64 / 128: argument checks, the choice of the 64-token build (moe_grouped_key), then the
+// block_m 64 / 128 / 256: argument checks, the choice of the 64-token build (moe_grouped_key), then the
 // kernel its key names (moe_grouped_kernels.h, generated).
 #include <cuda_runtime.h>
 
@@ -26,9 +26,11 @@ MoeGroupedKey key_of(int bits, DType dtype, int block_m, int built_per_sm) {
   return key;
 }
 
-// CTAs along the columns: 256 columns of W each; gated, the gate and up units of 128 columns
-int column_groups(int n, int activation) {
-  return moe::is_gated(activation) ? div_up(n_units(n) / 2, 2) : div_up(n_units(n), 4);
+// CTAs along the columns: S slabs of W each (moe::grouped_columns); gated, the gate and up
+// units of S / 2 slabs' columns
+int column_groups(int n, int activation, int block_m) {
+  const int slabs = moe::grouped_columns(block_m) / kUnitN;
+  return moe::is_gated(activation) ? div_up(n_units(n) / 2, slabs / 2) : div_up(n_units(n), slabs);
 }
 }  // namespace
 
@@ -38,7 +40,7 @@ MoeGroupedKey moe_grouped_key(int bits, DType dtype, int block_m, int num_sorted
                               int one_per_sm) {
   if (block_m != 64) return key_of(bits, dtype, block_m, 1);
   if (one_per_sm >= 0) return key_of(bits, dtype, block_m, one_per_sm ? 1 : 2);
-  const long long ctas = (long long)div_up(num_sorted, block_m) * column_groups(n, activation);
+  const long long ctas = (long long)div_up(num_sorted, block_m) * column_groups(n, activation, block_m);
   const bool two = ctas > device_attribute<cudaDevAttrMultiProcessorCount>() &&
                    moe::select_kernel(key_of(bits, dtype, block_m, 2)) != nullptr;
   return key_of(bits, dtype, block_m, two ? 2 : 1);
@@ -64,7 +66,7 @@ cudaError_t launch_moe_grouped(DType dtype, const void* x, const uint32_t* packe
       moe::select_kernel(moe_grouped_key(bits, dtype, block_m, num_sorted, n, activation, one_per_sm));
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const int n_out = gated ? n / 2 : n;
-  const int blocks = div_up(num_sorted, block_m), groups = column_groups(n, activation);
+  const int blocks = div_up(num_sorted, block_m), groups = column_groups(n, activation, block_m);
   if (blocks > 65535 || groups > 65535) return cudaErrorInvalidValue;
   if (num_pairs == 0) return cudaSuccess;
   if (zero_uncovered) {

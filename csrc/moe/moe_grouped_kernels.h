@@ -9,26 +9,34 @@ namespace moe {
 
 extern const MoeGroupedKernel moe_grouped_k2_f16_mt64_cps1;
 extern const MoeGroupedKernel moe_grouped_k2_f16_mt128_cps1;
+extern const MoeGroupedKernel moe_grouped_k2_f16_mt256_cps1;
 extern const MoeGroupedKernel moe_grouped_k2_bf16_mt64_cps1;
 extern const MoeGroupedKernel moe_grouped_k2_bf16_mt128_cps1;
+extern const MoeGroupedKernel moe_grouped_k2_bf16_mt256_cps1;
 extern const MoeGroupedKernel moe_grouped_k3_f16_mt64_cps1;
 extern const MoeGroupedKernel moe_grouped_k3_f16_mt64_cps2;
 extern const MoeGroupedKernel moe_grouped_k3_f16_mt128_cps1;
+extern const MoeGroupedKernel moe_grouped_k3_f16_mt256_cps1;
 extern const MoeGroupedKernel moe_grouped_k3_bf16_mt64_cps1;
 extern const MoeGroupedKernel moe_grouped_k3_bf16_mt64_cps2;
 extern const MoeGroupedKernel moe_grouped_k3_bf16_mt128_cps1;
+extern const MoeGroupedKernel moe_grouped_k3_bf16_mt256_cps1;
 extern const MoeGroupedKernel moe_grouped_k4_f16_mt64_cps1;
 extern const MoeGroupedKernel moe_grouped_k4_f16_mt64_cps2;
 extern const MoeGroupedKernel moe_grouped_k4_f16_mt128_cps1;
+extern const MoeGroupedKernel moe_grouped_k4_f16_mt256_cps1;
 extern const MoeGroupedKernel moe_grouped_k4_bf16_mt64_cps1;
 extern const MoeGroupedKernel moe_grouped_k4_bf16_mt64_cps2;
 extern const MoeGroupedKernel moe_grouped_k4_bf16_mt128_cps1;
+extern const MoeGroupedKernel moe_grouped_k4_bf16_mt256_cps1;
 extern const MoeGroupedKernel moe_grouped_k5_f16_mt64_cps1;
 extern const MoeGroupedKernel moe_grouped_k5_f16_mt64_cps2;
 extern const MoeGroupedKernel moe_grouped_k5_f16_mt128_cps1;
+extern const MoeGroupedKernel moe_grouped_k5_f16_mt256_cps1;
 extern const MoeGroupedKernel moe_grouped_k5_bf16_mt64_cps1;
 extern const MoeGroupedKernel moe_grouped_k5_bf16_mt64_cps2;
 extern const MoeGroupedKernel moe_grouped_k5_bf16_mt128_cps1;
+extern const MoeGroupedKernel moe_grouped_k5_bf16_mt256_cps1;
 
 // The compiled kernel `k` names; nullptr where none is built.
 inline const MoeGroupedKernel* select_kernel(const MoeGroupedKey& k) {
@@ -36,32 +44,40 @@ inline const MoeGroupedKernel* select_kernel(const MoeGroupedKey& k) {
     case 2:
       if (k.dtype == DType::kHalf && k.tile_m == 64 && k.built_per_sm == 1) return &moe_grouped_k2_f16_mt64_cps1;
       if (k.dtype == DType::kHalf && k.tile_m == 128 && k.built_per_sm == 1) return &moe_grouped_k2_f16_mt128_cps1;
+      if (k.dtype == DType::kHalf && k.tile_m == 256 && k.built_per_sm == 1) return &moe_grouped_k2_f16_mt256_cps1;
       if (k.dtype == DType::kBFloat16 && k.tile_m == 64 && k.built_per_sm == 1) return &moe_grouped_k2_bf16_mt64_cps1;
       if (k.dtype == DType::kBFloat16 && k.tile_m == 128 && k.built_per_sm == 1) return &moe_grouped_k2_bf16_mt128_cps1;
+      if (k.dtype == DType::kBFloat16 && k.tile_m == 256 && k.built_per_sm == 1) return &moe_grouped_k2_bf16_mt256_cps1;
       return nullptr;
     case 3:
       if (k.dtype == DType::kHalf && k.tile_m == 64 && k.built_per_sm == 1) return &moe_grouped_k3_f16_mt64_cps1;
       if (k.dtype == DType::kHalf && k.tile_m == 64 && k.built_per_sm == 2) return &moe_grouped_k3_f16_mt64_cps2;
       if (k.dtype == DType::kHalf && k.tile_m == 128 && k.built_per_sm == 1) return &moe_grouped_k3_f16_mt128_cps1;
+      if (k.dtype == DType::kHalf && k.tile_m == 256 && k.built_per_sm == 1) return &moe_grouped_k3_f16_mt256_cps1;
       if (k.dtype == DType::kBFloat16 && k.tile_m == 64 && k.built_per_sm == 1) return &moe_grouped_k3_bf16_mt64_cps1;
       if (k.dtype == DType::kBFloat16 && k.tile_m == 64 && k.built_per_sm == 2) return &moe_grouped_k3_bf16_mt64_cps2;
       if (k.dtype == DType::kBFloat16 && k.tile_m == 128 && k.built_per_sm == 1) return &moe_grouped_k3_bf16_mt128_cps1;
+      if (k.dtype == DType::kBFloat16 && k.tile_m == 256 && k.built_per_sm == 1) return &moe_grouped_k3_bf16_mt256_cps1;
       return nullptr;
     case 4:
       if (k.dtype == DType::kHalf && k.tile_m == 64 && k.built_per_sm == 1) return &moe_grouped_k4_f16_mt64_cps1;
       if (k.dtype == DType::kHalf && k.tile_m == 64 && k.built_per_sm == 2) return &moe_grouped_k4_f16_mt64_cps2;
       if (k.dtype == DType::kHalf && k.tile_m == 128 && k.built_per_sm == 1) return &moe_grouped_k4_f16_mt128_cps1;
+      if (k.dtype == DType::kHalf && k.tile_m == 256 && k.built_per_sm == 1) return &moe_grouped_k4_f16_mt256_cps1;
       if (k.dtype == DType::kBFloat16 && k.tile_m == 64 && k.built_per_sm == 1) return &moe_grouped_k4_bf16_mt64_cps1;
       if (k.dtype == DType::kBFloat16 && k.tile_m == 64 && k.built_per_sm == 2) return &moe_grouped_k4_bf16_mt64_cps2;
       if (k.dtype == DType::kBFloat16 && k.tile_m == 128 && k.built_per_sm == 1) return &moe_grouped_k4_bf16_mt128_cps1;
+      if (k.dtype == DType::kBFloat16 && k.tile_m == 256 && k.built_per_sm == 1) return &moe_grouped_k4_bf16_mt256_cps1;
       return nullptr;
     case 5:
       if (k.dtype == DType::kHalf && k.tile_m == 64 && k.built_per_sm == 1) return &moe_grouped_k5_f16_mt64_cps1;
       if (k.dtype == DType::kHalf && k.tile_m == 64 && k.built_per_sm == 2) return &moe_grouped_k5_f16_mt64_cps2;
       if (k.dtype == DType::kHalf && k.tile_m == 128 && k.built_per_sm == 1) return &moe_grouped_k5_f16_mt128_cps1;
+      if (k.dtype == DType::kHalf && k.tile_m == 256 && k.built_per_sm == 1) return &moe_grouped_k5_f16_mt256_cps1;
       if (k.dtype == DType::kBFloat16 && k.tile_m == 64 && k.built_per_sm == 1) return &moe_grouped_k5_bf16_mt64_cps1;
       if (k.dtype == DType::kBFloat16 && k.tile_m == 64 && k.built_per_sm == 2) return &moe_grouped_k5_bf16_mt64_cps2;
       if (k.dtype == DType::kBFloat16 && k.tile_m == 128 && k.built_per_sm == 1) return &moe_grouped_k5_bf16_mt128_cps1;
+      if (k.dtype == DType::kBFloat16 && k.tile_m == 256 && k.built_per_sm == 1) return &moe_grouped_k5_bf16_mt256_cps1;
       return nullptr;
   }
   return nullptr;

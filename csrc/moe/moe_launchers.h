@@ -42,7 +42,7 @@ cudaError_t launch_moe_gemm(DType dtype, const void* x, const uint32_t* packed, 
 // capability 9.0 device, as the dense wgmma kernel).
 bool moe_grouped_supported();
 
-// Whether a grouped kernel serves this block_m (64 or 128: the kernels' CTA tokens).
+// Whether a grouped kernel serves this block_m (64, 128 or 256: the kernels' CTA tokens).
 bool moe_grouped_block_m_ok(int block_m);
 
 // The grouped MoE kernel launch_moe_grouped runs (describe() names it): the one of block_m's
@@ -54,7 +54,7 @@ MoeGroupedKey moe_grouped_key(int bits, DType dtype, int block_m, int num_sorted
                               int one_per_sm);
 
 // The grouped tensor-core form of launch_moe_gemm (moe/grouped_kernel.cuh), for blocks of
-// block_m = 64 or 128 sorted ids: y[num_pairs, n_out] with row p = act(x[p / top_k] @ W_e^T)
+// block_m = 64, 128 or 256 sorted ids: y[num_pairs, n_out] with row p = act(x[p / top_k] @ W_e^T)
 // (times topk_weights[p] where given) for every pair p of a block as launch_moe_gemm reads
 // them. `activation`: moe::Activation (0: none, n_out = n; the gated ones, 1..3, need n % 128
 // == 0 and give n_out = n / 2). Rows no block covers are zeroed on the stream first where

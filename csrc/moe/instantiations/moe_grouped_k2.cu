@@ -7,8 +7,10 @@ namespace moe {
 
 const MoeGroupedKernel moe_grouped_k2_f16_mt64_cps1 = kernel_entry<2, 64, 1, __half>();
 const MoeGroupedKernel moe_grouped_k2_f16_mt128_cps1 = kernel_entry<2, 128, 1, __half>();
+const MoeGroupedKernel moe_grouped_k2_f16_mt256_cps1 = kernel_entry<2, 256, 1, __half>();
 const MoeGroupedKernel moe_grouped_k2_bf16_mt64_cps1 = kernel_entry<2, 64, 1, __nv_bfloat16>();
 const MoeGroupedKernel moe_grouped_k2_bf16_mt128_cps1 = kernel_entry<2, 128, 1, __nv_bfloat16>();
+const MoeGroupedKernel moe_grouped_k2_bf16_mt256_cps1 = kernel_entry<2, 256, 1, __nv_bfloat16>();
 
 }  // namespace moe
 }  // namespace kbit

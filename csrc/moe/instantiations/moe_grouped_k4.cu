@@ -8,9 +8,11 @@ namespace moe {
 const MoeGroupedKernel moe_grouped_k4_f16_mt64_cps1 = kernel_entry<4, 64, 1, __half>();
 const MoeGroupedKernel moe_grouped_k4_f16_mt64_cps2 = kernel_entry<4, 64, 2, __half>();
 const MoeGroupedKernel moe_grouped_k4_f16_mt128_cps1 = kernel_entry<4, 128, 1, __half>();
+const MoeGroupedKernel moe_grouped_k4_f16_mt256_cps1 = kernel_entry<4, 256, 1, __half>();
 const MoeGroupedKernel moe_grouped_k4_bf16_mt64_cps1 = kernel_entry<4, 64, 1, __nv_bfloat16>();
 const MoeGroupedKernel moe_grouped_k4_bf16_mt64_cps2 = kernel_entry<4, 64, 2, __nv_bfloat16>();
 const MoeGroupedKernel moe_grouped_k4_bf16_mt128_cps1 = kernel_entry<4, 128, 1, __nv_bfloat16>();
+const MoeGroupedKernel moe_grouped_k4_bf16_mt256_cps1 = kernel_entry<4, 256, 1, __nv_bfloat16>();
 
 }  // namespace moe
 }  // namespace kbit
