@@ -1,4 +1,5 @@
-"""Shared pieces of the kbit MoE tests (test_moe_kernels_gpu.py, test_moe_ref.py, sanitize_moe.py).
+"""Shared pieces of the kbit MoE tests (test_moe_kernels_gpu.py, test_moe_grouped_gpu.py,
+test_moe_ref.py, sanitize_moe.py).
 
 * align_ref: a pure-torch moe_align_block_size with vLLM's contract: the (token, expert) pairs
   p = t * top_k + j grouped by expert (ascending p inside an expert), each expert's run padded
@@ -10,6 +11,8 @@
 * moe_reference: float64 y[p] = x[p // top_k] @ W_e^T (* topk_weights[p]) from the routing
   itself (independent of the sorting), rows of experts off this rank 0; moe_expected: the same
   as a kernel_check.Reference, the per-element comparison every MoE kernel test makes.
+* activation_outside: the same comparison for kbit::moe_gemm_grouped's fused activations, the
+  bound carried through the activation.
 """
 import functools
 
