@@ -205,6 +205,8 @@ def choose_path(num_pairs: int, global_experts: int) -> str:
     the grouped tensor-core kernel (ops.has_moe_grouped: Hopper), kbit::moe_gemm below
     GROUPED_MIN_PAIRS_PER_EXPERT pairs per expert and the grouped kernel from there; elsewhere
     kbit::moe_gemm below DENSE_MIN_PAIRS_PER_EXPERT and dequantize + fused_experts from there."""
+    if num_pairs < min(GROUPED_MIN_PAIRS_PER_EXPERT, DENSE_MIN_PAIRS_PER_EXPERT) * global_experts:
+        return "gemm"  # either way (the decode steps ask no more)
     if ops.has_moe_grouped():
         return "grouped" if num_pairs >= GROUPED_MIN_PAIRS_PER_EXPERT * global_experts else "gemm"
     return "dense" if num_pairs >= DENSE_MIN_PAIRS_PER_EXPERT * global_experts else "gemm"

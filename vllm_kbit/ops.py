@@ -538,10 +538,18 @@ def moe_kernel(bits, dtype=torch.float16) -> str:
     return torch.ops.kbit.moe_kernel(bits, dtype)
 
 
+_MOE_GROUPED = {}  # device index -> has_moe_grouped()
+
+
 def has_moe_grouped() -> bool:
     """Whether this build and the current GPU run kbit::moe_gemm_grouped's kernel (sm_90a code on
-    a compute capability 9.0 GPU; False without the extension)."""
-    return HAS_CUDA_KERNELS and hasattr(torch.ops.kbit, "has_moe_grouped") and torch.ops.kbit.has_moe_grouped()
+    a compute capability 9.0 GPU; False without the extension). Asked once per device."""
+    if not (HAS_CUDA_KERNELS and torch.cuda.is_available() and hasattr(torch.ops.kbit, "has_moe_grouped")):
+        return False
+    dev = torch.cuda.current_device()
+    if dev not in _MOE_GROUPED:
+        _MOE_GROUPED[dev] = bool(torch.ops.kbit.has_moe_grouped())
+    return _MOE_GROUPED[dev]
 
 
 def moe_grouped_kernel(bits, dtype, block_m, num_sorted, n, activation=0, overrides=None) -> str:
