@@ -1,12 +1,15 @@
 """One MoE layer's routed experts, as vLLM runs them inside its moe_forward op, replayed from a
 CUDA graph: kbit K (through vllm_kbit.moe.experts_forward, the code KbitMoEMethod.apply runs;
-each path forced: `gemm` = kbit::moe_gemm, `dense` = dequantize chunks + vLLM's Triton
-fused_experts) against vLLM's bf16 fused_experts and its int4 moe_wna16 path (group 128,
+each path forced: `gemm` = kbit::moe_gemm, `grouped` = kbit::moe_gemm_grouped (the grouped
+wgmma kernel, Hopper; `grouped@B` at block_m B = 64, 128 or 256, `grouped+KEY=V,...` with plan
+overrides, e.g. `grouped@64+moe.one_per_sm=1`),
+`dense` = dequantize chunks + vLLM's Triton fused_experts) against vLLM's bf16 fused_experts and its int4 moe_wna16 path (group 128,
 through fused_experts with int4_w4a16_moe_quant_config). Routing: fused_topk on random router
 logits, made once outside the graph, the same for every method.
 
   python3 benchmarks/bench_moe.py [--shapes qwen3-30b-a3b,mixtral-8x7b]
-      [--ms 1,4,16,64,256,1024,4096] [--bits 2,3,4,5] [--paths gemm,dense] [--no-baselines] [--out DIR]
+      [--ms 1,4,16,64,256,1024,4096] [--bits 2,3,4,5] [--paths gemm,grouped,dense] [--no-baselines]
+      [--out DIR]
   python3 benchmarks/bench_moe.py --check    # kbit against bf16 fused_experts of its
                                                    # dequantized experts; exits 1 on a mismatch
   --codebooks per-expert: each expert its own codebooks (w13's and w2's, [E, 2^K], as a
@@ -14,7 +17,10 @@ logits, made once outside the graph, the same for every method.
 
 Times: median µs of --reps replays (CUDA events). Results:
 benchmarks/results/bench_moe_<gpu>.json (+ .png), with the GPU, date, commit and command.
-vllm_kbit.moe.DENSE_MIN_PAIRS_PER_EXPERT, the switch between the two kbit paths, is read off these tables.
+vllm_kbit.moe's switches from kbit::moe_gemm to the large-batch paths
+(GROUPED_MIN_PAIRS_PER_EXPERT, DENSE_MIN_PAIRS_PER_EXPERT) and the grouped kernel's block_m
+(GROUPED_MT128_MIN_PAIRS_PER_EXPERT, GROUPED_MT256_MIN_PAIRS_PER_EXPERT) are read off these
+tables; `grouped` paths are skipped where ops.has_moe_grouped() is false.
 (benchmarks/bench_moe.py times the kbit MoE ops alone.)
 """
 from __future__ import annotations
@@ -127,6 +133,13 @@ def time_methods(shape_name, methods, inputs, reps, rows):
             print(f"{shape_name} M={m} {name}: {us:.1f} us", flush=True)
 
 
+def path_spec(spec):
+    """`path[@block_m][+overrides]` -> (path, block_m or None, overrides)."""
+    path, _, overrides = spec.partition("+")
+    path, _, block_m = path.partition("@")
+    return path, int(block_m) if block_m else None, overrides
+
+
 def rel_err(y, ref):
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -136,7 +149,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default="1,4,16,64,256,1024,4096")
     ap.add_argument("--bits", default="2,3,4,5")
-    ap.add_argument("--paths", default="gemm,dense", help="kbit paths to time (gemm, dense)")
+    ap.add_argument("--paths", default="gemm,grouped,dense", help="kbit paths to time (gemm, grouped, dense)")
     ap.add_argument("--no-baselines", action="store_true", help="kbit only (no bf16 / int4)")
     ap.add_argument("--check", action="store_true", help="compare kbit with bf16 of its dequantized experts")
     ap.add_argument("--codebooks", choices=("shared", "per-expert"), default="shared",
@@ -156,6 +169,9 @@ def main() -> int:
     gpu = torch.cuda.get_device_name(0)
     ms = [int(m) for m in args.ms.split(",")]
     paths = args.paths.split(",")
+    if any(p.startswith("grouped") for p in paths) and not ops.has_moe_grouped():
+        print("warning: no grouped MoE kernel on this build / GPU: the grouped path is skipped", file=sys.stderr)
+        paths = [p for p in paths if not p.startswith("grouped")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows, failures = [], []
     for shape_name in args.shapes.split(","):
@@ -174,7 +190,9 @@ def main() -> int:
             ex = kbit_experts(shape, bits, gen, per_expert_codebooks=args.codebooks == "per-expert")
             cb_tag = "_cb_per_expert" if args.codebooks == "per-expert" else ""
             methods = {f"kbit{bits}_{p}{cb_tag}":
-                       (lambda p: lambda x, tw, tid: experts_forward(ex, x, tw, tid, path=p))(p) for p in paths}
+                       (lambda p, bm, o: lambda x, tw, tid: experts_forward(ex, x, tw, tid, path=p, overrides=o,
+                                                                           block_m=bm))(*path_spec(p))
+                       for p in paths}
             if args.check:
                 w13, w2 = dequantized(ex)
                 for m, (x, tw, tid) in inputs.items():

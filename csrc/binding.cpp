@@ -1,7 +1,7 @@
 // The one torch binding of the kbit kernels: checks, allocation with the torch allocator, one
 // plan per call, launch on the current stream, launch-error check. Schemas of kbit::repack /
-// gemm / quantize / moe_gemm / dequantize_experts are defined in Python (vllm_kbit/ops.py);
-// this file registers their CUDA kernels and adds C++-only ops for tests and benchmarks
+// gemm / quantize / moe_gemm / moe_gemm_grouped / dequantize_experts are defined in Python
+// (vllm_kbit/ops.py); this file registers their CUDA kernels and adds C++-only ops for tests and benchmarks
 // (TORCH_LIBRARY_FRAGMENT below).
 //
 // gemm picks its path from the shape inside the op (dispatch/path_rule.h), with no host sync
@@ -29,6 +29,7 @@
 #include "dispatch/launchers.h"
 #include "dispatch/overrides.h"
 #include "dispatch/plan_fields.h"
+#include "moe/grouped_config.h"
 #include "moe/moe_launchers.h"
 
 namespace kbit {
@@ -472,46 +473,100 @@ void check_index(const char* op, const at::Tensor& t, const char* name, const at
   TORCH_CHECK(t.dim() == 1, msg("kbit::", op, ": ", name, " must be 1-D, got ", t.sizes()));
 }
 
+// The checks kbit::moe_gemm and kbit::moe_gemm_grouped share (x, the stacked experts, their
+// codebook, vLLM's alignment output, topk_weights) and what the launchers take of them.
+struct MoeCall {
+  int64_t experts, num_pairs, num_sorted;
+  int cb_stride;
+  const float* weights;
+};
+
+MoeCall check_moe_call(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
+                       const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
+                       const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                       const at::Tensor& num_tokens_post_padded, int64_t block_m, int64_t top_k,
+                       const c10::optional<at::Tensor>& topk_weights) {
+  TORCH_CHECK(x.is_cuda(), msg("kbit::", op, ": x must be a CUDA tensor"));
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              msg("kbit::", op, ": x must be float16 or bfloat16, got ", x.scalar_type()));
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, msg("kbit::", op, ": x must be [T, k = ", k, "], got ", x.sizes()));
+  check_tensor(x, "x", x.scalar_type(), x);
+  MoeCall c;
+  c.experts = check_experts(op, packed, absmax, bits, n, k, x);
+  c.cb_stride = check_expert_codebook(op, codebook, bits, c.experts, x);
+  check_index(op, sorted_token_ids, "sorted_token_ids", x);
+  check_index(op, expert_ids, "expert_ids", x);
+  check_index(op, num_tokens_post_padded, "num_tokens_post_padded", x);
+  TORCH_CHECK(block_m >= 1, msg("kbit::", op, ": block_m must be positive, got ", block_m));
+  TORCH_CHECK(top_k >= 1, msg("kbit::", op, ": top_k must be positive, got ", top_k));
+  c.num_sorted = sorted_token_ids.size(0);
+  const int64_t num_blocks = (c.num_sorted + block_m - 1) / block_m;
+  TORCH_CHECK(expert_ids.size(0) >= num_blocks, msg("kbit::", op, ": expert_ids has ", expert_ids.size(0),
+              " entries, the ", c.num_sorted, " sorted ids make ", num_blocks, " blocks of block_m = ", block_m));
+  TORCH_CHECK(num_tokens_post_padded.size(0) >= 1, msg("kbit::", op, ": num_tokens_post_padded is empty"));
+  c.num_pairs = x.size(0) * top_k;
+  TORCH_CHECK(c.num_pairs < (int64_t(1) << 31) && c.num_pairs * n < (int64_t(1) << 62) &&
+              c.num_sorted < (int64_t(1) << 31), msg("kbit::", op, ": too many pairs"));
+  c.weights = nullptr;
+  if (topk_weights.has_value() && topk_weights->defined()) {
+    check_tensor(*topk_weights, "topk_weights", at::kFloat, x, /*align=*/4);
+    TORCH_CHECK(topk_weights->numel() == c.num_pairs, msg("kbit::", op, ": topk_weights has ", topk_weights->numel(),
+                " elements, expected T * top_k = ", c.num_pairs));
+    c.weights = topk_weights->data_ptr<float>();
+  }
+  return c;
+}
+
 at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
                     int64_t bits, int64_t n, int64_t k, const at::Tensor& sorted_token_ids,
                     const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, int64_t block_m,
                     int64_t top_k, const c10::optional<at::Tensor>& topk_weights) {
-  TORCH_CHECK(x.is_cuda(), msg("kbit::moe_gemm: x must be a CUDA tensor"));
-  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
-              msg("kbit::moe_gemm: x must be float16 or bfloat16, got ", x.scalar_type()));
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, msg("kbit::moe_gemm: x must be [T, k = ", k, "], got ", x.sizes()));
-  check_tensor(x, "x", x.scalar_type(), x);
-  const int64_t experts = check_experts("moe_gemm", packed, absmax, bits, n, k, x);
-  const int cb_stride = check_expert_codebook("moe_gemm", codebook, bits, experts, x);
-  check_index("moe_gemm", sorted_token_ids, "sorted_token_ids", x);
-  check_index("moe_gemm", expert_ids, "expert_ids", x);
-  check_index("moe_gemm", num_tokens_post_padded, "num_tokens_post_padded", x);
-  TORCH_CHECK(block_m >= 1 && block_m <= kMoeMaxBlockM, msg("kbit::moe_gemm: block_m must be 1..", kMoeMaxBlockM,
-              ", got ", block_m));
-  TORCH_CHECK(top_k >= 1, msg("kbit::moe_gemm: top_k must be positive, got ", top_k));
-  const int64_t num_sorted = sorted_token_ids.size(0), num_blocks = (num_sorted + block_m - 1) / block_m;
-  TORCH_CHECK(expert_ids.size(0) >= num_blocks, msg("kbit::moe_gemm: expert_ids has ", expert_ids.size(0),
-              " entries, the ", num_sorted, " sorted ids make ", num_blocks, " blocks of block_m = ", block_m));
-  TORCH_CHECK(num_tokens_post_padded.size(0) >= 1, msg("kbit::moe_gemm: num_tokens_post_padded is empty"));
-  const int64_t num_pairs = x.size(0) * top_k;
-  TORCH_CHECK(num_pairs < (int64_t(1) << 31) && num_pairs * n < (int64_t(1) << 62) && num_sorted < (int64_t(1) << 31),
-              msg("kbit::moe_gemm: too many pairs"));
-  const float* weights = nullptr;
-  if (topk_weights.has_value() && topk_weights->defined()) {
-    check_tensor(*topk_weights, "topk_weights", at::kFloat, x, /*align=*/4);
-    TORCH_CHECK(topk_weights->numel() == num_pairs, msg("kbit::moe_gemm: topk_weights has ", topk_weights->numel(),
-                " elements, expected T * top_k = ", num_pairs));
-    weights = topk_weights->data_ptr<float>();
-  }
+  const MoeCall c = check_moe_call("moe_gemm", x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
+                                   num_tokens_post_padded, block_m, top_k, topk_weights);
+  TORCH_CHECK(block_m <= kMoeMaxBlockM, msg("kbit::moe_gemm: block_m must be 1..", kMoeMaxBlockM, ", got ", block_m));
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor y = at::empty({num_pairs, n}, x.options());
+  at::Tensor y = at::empty({c.num_pairs, n}, x.options());
   check_cuda(launch_moe_gemm(to_dtype(x.scalar_type()), x.data_ptr(),
                              reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), absmax.data_ptr<uint8_t>(),
-                             codebook.data_ptr<float>(), cb_stride, sorted_token_ids.data_ptr<int32_t>(),
-                             expert_ids.data_ptr<int32_t>(), num_tokens_post_padded.data_ptr<int32_t>(), weights,
-                             y.data_ptr(), int(experts), int(num_pairs), int(num_sorted), int(block_m), int(top_k),
-                             int(n), int(k), int(bits), at::cuda::getCurrentCUDAStream()),
+                             codebook.data_ptr<float>(), c.cb_stride, sorted_token_ids.data_ptr<int32_t>(),
+                             expert_ids.data_ptr<int32_t>(), num_tokens_post_padded.data_ptr<int32_t>(), c.weights,
+                             y.data_ptr(), int(c.experts), int(c.num_pairs), int(c.num_sorted), int(block_m),
+                             int(top_k), int(n), int(k), int(bits), at::cuda::getCurrentCUDAStream()),
              "moe_gemm");
+  return y;
+}
+
+// The grouped wgmma form (Hopper): blocks of block_m = 64, 128 or 256, the activation fused into
+// the epilogue (vllm_kbit/ops.py MOE_ACTIVATIONS), uncovered rows zeroed only on request.
+at::Tensor moe_gemm_grouped(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
+                            const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
+                            const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                            const at::Tensor& num_tokens_post_padded, int64_t block_m, int64_t top_k,
+                            const c10::optional<at::Tensor>& topk_weights, int64_t activation, bool zero_uncovered,
+                            c10::string_view overrides) {
+  const PlanOverrides o = overrides_from(std::string(overrides), "moe_gemm_grouped");
+  TORCH_CHECK(moe_grouped_block_m_ok(int(block_m)), msg("kbit::moe_gemm_grouped: block_m must be 64, 128 or 256 ",
+              "(the kernels' tokens per CTA), got ", block_m));
+  const MoeCall c = check_moe_call("moe_gemm_grouped", x, packed, absmax, codebook, bits, n, k, sorted_token_ids,
+                                   expert_ids, num_tokens_post_padded, block_m, top_k, topk_weights);
+  TORCH_CHECK(activation >= 0 && activation < moe::kActivations, msg("kbit::moe_gemm_grouped: activation must be ",
+              "0..", moe::kActivations - 1, " (vllm_kbit.ops.MOE_ACTIVATIONS), got ", activation));
+  const bool gated = moe::is_gated(int(activation));
+  TORCH_CHECK(!gated || n % 128 == 0, msg("kbit::moe_gemm_grouped: a gated activation needs n = 2 x the ",
+              "intermediate size, a multiple of 128; got n = ", n));
+  TORCH_CHECK(moe_grouped_supported(), msg("kbit::moe_gemm_grouped: no grouped wgmma kernel on this build / device ",
+              "(it needs sm_90a code and a compute capability 9.0 GPU); use kbit::moe_gemm or the dense path"));
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty({c.num_pairs, gated ? n / 2 : n}, x.options());
+  check_cuda(launch_moe_grouped(to_dtype(x.scalar_type()), x.data_ptr(),
+                                reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
+                                absmax.data_ptr<uint8_t>(), codebook.data_ptr<float>(), c.cb_stride,
+                                sorted_token_ids.data_ptr<int32_t>(), expert_ids.data_ptr<int32_t>(),
+                                num_tokens_post_padded.data_ptr<int32_t>(), c.weights, y.data_ptr(), int(c.experts),
+                                int(c.num_pairs), int(c.num_sorted), int(block_m), int(top_k), int(n), int(k),
+                                int(bits), int(activation), zero_uncovered, o.moe.one_per_sm,
+                                at::cuda::getCurrentCUDAStream()),
+             "moe_gemm_grouped");
   return y;
 }
 
@@ -634,6 +689,21 @@ std::string moe_kernel_op(int64_t bits, at::ScalarType dtype) {
   return describe(moe_key(int(bits), plan_dtype(dtype, "moe_kernel")));
 }
 
+bool has_moe_grouped_op() { return moe_grouped_supported(); }
+
+// The grouped MoE kernel kbit::moe_gemm_grouped launches for these shapes on the current device.
+std::string moe_grouped_kernel_op(int64_t bits, at::ScalarType dtype, int64_t block_m, int64_t num_sorted, int64_t n,
+                                  int64_t activation, c10::string_view overrides) {
+  check_bits(bits);
+  TORCH_CHECK(moe_grouped_block_m_ok(int(block_m)), msg("kbit::moe_grouped_kernel: block_m must be 64, 128 or 256, ",
+              "got ", block_m));
+  TORCH_CHECK(num_sorted >= 0 && num_sorted < (int64_t(1) << 31) && n > 0 && n <= int64_t(65535) * kUnit &&
+              activation >= 0 && activation < moe::kActivations, msg("kbit::moe_grouped_kernel: bad arguments"));
+  const PlanOverrides o = overrides_from(std::string(overrides), "moe_grouped_kernel");
+  return describe(moe_grouped_key(int(bits), plan_dtype(dtype, "moe_grouped_kernel"), int(block_m), int(num_sorted),
+                                  int(n), int(activation), o.moe.one_per_sm));
+}
+
 // The name of the current device's heuristics table (dispatch/heuristics.h).
 std::string heuristics_op() { return device_heuristics().name; }
 
@@ -665,6 +735,9 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("gemm_kernel(int m, int n, int k, int bits, ScalarType dtype, int path=0, int splits=0, "
         "str overrides=\"\") -> str", &kbit::gemm_kernel_op);
   m.def("moe_kernel(int bits, ScalarType dtype) -> str", &kbit::moe_kernel_op);
+  m.def("has_moe_grouped() -> bool", &kbit::has_moe_grouped_op);
+  m.def("moe_grouped_kernel(int bits, ScalarType dtype, int block_m, int num_sorted, int n, int activation=0, "
+        "str overrides=\"\") -> str", &kbit::moe_grouped_kernel_op);
   m.def("heuristics() -> str", &kbit::heuristics_op);
 }
 
@@ -675,6 +748,7 @@ TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
   m.impl("gemm_path", &kbit::gemm_path);
   m.impl("dequantize_tiled", &kbit::dequantize_tiled);
   m.impl("moe_gemm", &kbit::moe_gemm);
+  m.impl("moe_gemm_grouped", &kbit::moe_gemm_grouped);
   m.impl("dequantize_experts", &kbit::dequantize_experts);
 }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the kernel instantiations and their key -> kernel selectors (as vLLM's Marlin generator
-writes its kernel_selector.h): for each family (GEMV, mma.sync, wgmma, MoE GEMV, FP8-activation
-GEMM, dequantize, quantize) and bit width, csrc/<dir>/instantiations/<family>_k<BITS>.cu defines
+writes its kernel_selector.h): for each family (GEMV, mma.sync, wgmma, MoE GEMV, grouped MoE GEMM,
+FP8-activation GEMM, dequantize, quantize) and bit width, csrc/<dir>/instantiations/<family>_k<BITS>.cu defines
 one selector entry per compiled kernel (kernel_entry<...>(): its launch and what the planner
 needs to know of it), and csrc/<dir>/<family>_kernels.h declares every entry and maps a key
 (core/kernel_keys.h) to its entry. The lists below are the kernels the planners can name; a key no entry matches gets
@@ -81,6 +81,19 @@ def moe_family(bits):
     yield "gemv", lambda t: f"{bits}, {t}", "true"
 
 
+# (tokens per CTA = block_m of the sorted ids, CTAs per SM built for) (moe/grouped_kernel.cuh).
+# No two-per-SM build at K=2: ptxas serializes its wgmma pipeline (C7515).
+MOE_GROUPED_TILES = ((64, 1), (64, 2), (128, 1), (256, 1))
+
+
+def moe_grouped_family(bits):
+    for mt, cps in MOE_GROUPED_TILES:
+        if bits == 2 and cps == 2:
+            continue
+        yield (f"mt{mt}_cps{cps}", lambda t, a=(mt, cps): f"{bits}, {a[0]}, {a[1]}, {t}",
+               f"k.tile_m == {mt} && k.built_per_sm == {cps}")
+
+
 def dequant_family(bits):
     for stacked in (False, True):
         yield ("stacked" if stacked else "rows"), lambda t, st=stacked: f"{bits}, {t}, {b(st)}", f"k.stacked == {b(stacked)}"
@@ -108,6 +121,8 @@ PARTS = {
               "wgmma kernels (sm_90a)", "wgmma", DTYPES),
     "moe": ("moe/moe_gemv_kernel.cuh", "moe/moe_config.h", "moe", "MoeKernel", "MoeKey", moe_family,
             "MoE expert GEMV kernels", "moe", DTYPES),
+    "moe_grouped": ("moe/grouped_kernel.cuh", "moe/grouped_config.h", "moe", "MoeGroupedKernel", "MoeGroupedKey",
+                    moe_grouped_family, "grouped wgmma MoE kernels (sm_90a)", "moe", DTYPES),
     "fp8": ("wgmma_fp8/fp8_kernel.cuh", "wgmma_fp8/fp8_config.h", "fp8", "Fp8Kernel", "Fp8Key", fp8_family,
             "FP8-activation GEMM kernels (sm_90a)", "wgmma_fp8", DTYPES),
     "dequant": ("repack/dequant_kernel.cuh", "repack/repack_config.h", "repack", "DequantKernel", "DequantKey",

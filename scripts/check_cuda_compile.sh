@@ -34,6 +34,14 @@ for o in "$OUTDIR"/*wgmma_k*.cu.o; do
   bad=$(echo "$regs" | grep -v -x "REG:168" || true)
   [ -z "$bad" ] || { echo "FAILED: $(basename "$o"): producer tiles launch with $bad, not 168 registers"; exit 1; }
 done
+# the grouped MoE kernel's producer builds (one CTA per SM, moe/grouped_kernel.cuh) make the same hand-over
+for o in "$OUTDIR"/*moe_grouped_k*.cu.o; do
+  regs=$("$CUOBJDUMP" --dump-resource-usage -arch sm_90a "$o" | grep -A1 -E "moe_grouped_kernelILi[0-9]ELi[0-9]+ELi1E" \
+         | grep -o "REG:[0-9]*" || true)
+  [ -n "$regs" ] || { echo "FAILED: $(basename "$o"): no producer build of the grouped MoE kernel found"; exit 1; }
+  bad=$(echo "$regs" | grep -v -x "REG:168" || true)
+  [ -z "$bad" ] || { echo "FAILED: $(basename "$o"): grouped MoE producer builds launch with $bad, not 168 registers"; exit 1; }
+done
 echo "check_cuda_compile: the wgmma producer tiles launch with 168 registers"
 
 TORCH_INC="$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))')"

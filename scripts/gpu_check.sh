@@ -58,7 +58,7 @@ fi
 
 if [ $SANITIZE -eq 1 ]; then
     # script[+OVERRIDES]: sanitize_small again with the GEMV's x resident in every launch
-    for spec in sanitize_small sanitize_small+gemv.slabs=4 sanitize_small+gemv.slabs=15 sanitize_small+gemv.slabs=16 sanitize_mma sanitize_wgmma sanitize_fp8; do
+    for spec in sanitize_small sanitize_small+gemv.slabs=4 sanitize_small+gemv.slabs=15 sanitize_small+gemv.slabs=16 sanitize_mma sanitize_wgmma sanitize_fp8 sanitize_moe; do
         script=${spec%%+*}
         args=()
         [ "$spec" != "$script" ] && args=("${spec#*+}")

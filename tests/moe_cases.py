@@ -1,4 +1,5 @@
-"""Shared pieces of the kbit MoE tests (test_moe_kernels_gpu.py, test_moe_ref.py, sanitize_moe.py).
+"""Shared pieces of the kbit MoE tests (test_moe_kernels_gpu.py, test_moe_grouped_gpu.py,
+test_moe_ref.py, sanitize_moe.py).
 
 * align_ref: a pure-torch moe_align_block_size with vLLM's contract: the (token, expert) pairs
   p = t * top_k + j grouped by expert (ascending p inside an expert), each expert's run padded
@@ -10,6 +11,8 @@
 * moe_reference: float64 y[p] = x[p // top_k] @ W_e^T (* topk_weights[p]) from the routing
   itself (independent of the sorting), rows of experts off this rank 0; moe_expected: the same
   as a kernel_check.Reference, the per-element comparison every MoE kernel test makes.
+* activation_outside: the same comparison for kbit::moe_gemm_grouped's fused activations, the
+  bound carried through the activation.
 """
 import functools
 
@@ -131,3 +134,36 @@ def row_errors(y, ref):
     d = (y.double() - ref).norm(dim=1)
     r = ref.norm(dim=1)
     return torch.where(r > 0, d / r.clamp_min(1e-300), d)
+
+
+# Largest slope of each activation (its derivative's supremum; relu2's grows with |t|: 2 |t|).
+ACT_SLOPE = {"none": 1.0, "silu": 1.1, "gelu": 1.13, "gelu_tanh": 1.13}  # silu' <= 1.0998, gelu' <= 1.1290
+
+
+def activation_outside(y, x, topk_ids, topk_weights, w64, top_k, activation, dtype, expert_map=None):
+    """bool, y's shape: the elements of kbit::moe_gemm_grouped's output with fused `activation`
+    (ops.MOE_ACTIVATIONS code) outside the bound of the float64 reference. The bound carries
+    kernel_check's bound b of each pre-activation element h through the activation: |act(h) -
+    act(h')| <= slope * b, and for the gated ones act(g) u within slope b_g (|u| + b_u) +
+    |act(g)| b_u; then the router weight and one output rounding."""
+    ref = kc.reference(lambda a, w: moe_reference(a, topk_ids, None, w, top_k, expert_map), x, w64)
+    h, b = ref.value, kc.bound(ref, dtype)
+    name = ops.MOE_ACTIVATIONS[activation]
+    gated = name.endswith("_and_mul")
+    base = name[:-len("_and_mul")] if gated else name
+    fn = ops.MOE_ACTIVATION_FNS[base]
+    if gated:
+        g, u = h.chunk(2, dim=-1)
+        bg, bu = b.chunk(2, dim=-1)
+        slope = 2 * (g.abs() + bg) if base == "relu2" else ACT_SLOPE[base]
+        value = fn(g) * u
+        err = slope * bg * (u.abs() + bu) + fn(g).abs() * bu
+    else:
+        slope = 2 * (h.abs() + b) if base == "relu2" else ACT_SLOPE[base]
+        value, err = fn(h), slope * b
+    if topk_weights is not None:
+        r = topk_weights.reshape(-1, 1).double()
+        value, err = value * r, err * r.abs()
+    fi = torch.finfo(dtype)
+    lim = err + fi.eps * value.abs() + fi.smallest_normal
+    return ~((y.double() - value).abs() <= lim)

@@ -1,7 +1,9 @@
 """Small workload for compute-sanitizer (memcheck / racecheck) of the MoE expert kernels:
 kbit::moe_gemm at every bit width, one and two n8 tiles of real rows, padding shuffled into
 blocks, experts off this rank, the down projection's call, the sorted ids' misleading tail past
-num_tokens_post_padded (moe_cases.align_ref), and kbit::dequantize_experts. Prints one line per
+num_tokens_post_padded (moe_cases.align_ref), and kbit::dequantize_experts; where the build and
+GPU have it (Hopper), kbit::moe_gemm_grouped at every build (block_m 64 one and two CTAs per SM,
+128, 256), plain and with the fused gated activation. Prints one line per
 step; exits non-zero on a wrong result. Not a pytest file (run: python tests/sanitize_moe.py
 from the repository root)."""
 import os
@@ -53,6 +55,28 @@ for bits in (2, 3, 4, 5):
         ok &= torch.equal(w, torch.ops.kbit.dequantize_experts(packed, ap, cb.expand(4, -1).contiguous(), bits, n, k,
                                                                dtype))
     print(f"bits={bits}: {'ok' if ok else 'FAIL'}", flush=True)
+if ops.has_moe_grouped():
+    n2 = 256  # gate and up halves of two 64-column units each (one gated column group)
+    for bits in (2, 3, 4, 5):
+        qweight, absmax, cb, w64 = mc.make_experts(4, n2, k, bits, dev, seed=10 + bits)
+        packed, ap = mc.stack_tiled(qweight, absmax, bits)
+        for dtype in (torch.float16, torch.bfloat16):
+            for block_m, m, o in ((64, 40, "moe.one_per_sm=1"), (64, 40, "moe.one_per_sm=0" if bits > 2 else ""),
+                                  (128, 150, ""), (256, 300, "")):
+                ids, weights = mc.routing(m, global_experts, top_k, dev, seed=m + bits)
+                aligned = mc.align_ref(ids, block_m, global_experts, expert_map)
+                off = expert_map[ids.reshape(-1).long()] < 0
+                x = torch.randn(m, k, device=dev).to(dtype)
+                y = torch.ops.kbit.moe_gemm_grouped(x, packed, ap, cb, bits, n2, k, *aligned, block_m, top_k, weights,
+                                                    0, True, o)
+                ref = mc.moe_expected(x, ids, weights, w64, top_k, expert_map)
+                ok &= bool(torch.isfinite(y).all()) and bool((y[off] == 0).all())
+                ok &= kc.compare(y, ref, dtype) is None
+                a = torch.ops.kbit.moe_gemm_grouped(x, packed, ap, cb, bits, n2, k, *aligned, block_m, top_k, None,
+                                                    1, False, o)
+                bad = mc.activation_outside(a, x, ids, None, w64, top_k, 1, dtype, expert_map)
+                ok &= not bool(bad[~off].any())
+        print(f"grouped bits={bits}: {'ok' if ok else 'FAIL'}", flush=True)
 torch.cuda.synchronize()
 print("sanitize_moe:", "PASS" if ok else "FAIL")
 sys.exit(0 if ok else 1)

@@ -224,10 +224,17 @@ def make_experts(num, hidden, inter, bits, gen, activation=MoEActivation.SILU, e
     return ex, w13, w2
 
 
+def skip_unavailable(path):
+    """The grouped path runs the reference op on the CPU, its kernel on a Hopper GPU only."""
+    if path == "grouped" and DEVICE == "cuda" and not ops.has_moe_grouped():
+        pytest.skip("no grouped MoE kernel on this build / GPU")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", kf.SUPPORTED_BITS)
-@pytest.mark.parametrize("path", ["gemm", "dense"])
+@pytest.mark.parametrize("path", ["gemm", "grouped", "dense"])
 def test_experts_forward_equals_float64_experts(path, bits, dtype):
+    skip_unavailable(path)
     gen = torch.Generator().manual_seed(zlib.crc32(f"forward-{path}-{bits}".encode()))
     num, hidden, inter, top_k, m = 5, 64, 96, 2, 7
     ex, w13, w2 = make_experts(num, hidden, inter, bits, gen, dense_chunk=2)  # 3 chunks: 2 + 2 + 1
@@ -238,9 +245,10 @@ def test_experts_forward_equals_float64_experts(path, bits, dtype):
     assert rel_err(y, _experts_reference(x, w13, w2, weights, ids, MoEActivation.SILU)) < 2 * TOL[dtype]
 
 
-@pytest.mark.parametrize("path", ["gemm", "dense"])
+@pytest.mark.parametrize("path", ["gemm", "grouped", "dense"])
 @pytest.mark.parametrize("variant", ["expert_parallel", "router_weight_on_input", "no_mul"])
 def test_experts_forward_variants(variant, path):
+    skip_unavailable(path)
     gen = torch.Generator().manual_seed(zlib.crc32(f"variant-{variant}-{path}".encode()))
     dtype, bits, hidden, inter = torch.bfloat16, 4, 64, 64
     act = MoEActivation.GELU_NO_MUL if variant == "no_mul" else MoEActivation.SILU
@@ -285,10 +293,69 @@ def test_path_switch_and_errors():
         experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE), True)
     with pytest.raises(ValueError, match="path must be"):
         experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE), path="fast")
-    with mock.patch("vllm_kbit.moe._forward_dense", side_effect=RuntimeError("dense")):
+    with pytest.raises(ValueError, match="path must be one of 'gemm', 'grouped', 'dense'"):
+        experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE), path="Grouped")
+    with mock.patch("vllm_kbit.moe._forward_dense", side_effect=RuntimeError("dense")), \
+            mock.patch("vllm_kbit.moe._forward_grouped", side_effect=RuntimeError("grouped")):
         experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE))  # 6 pairs: the gemm path
-        with mock.patch("vllm_kbit.moe.DENSE_MIN_PAIRS_PER_EXPERT", 1), pytest.raises(RuntimeError, match="dense"):
-            experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE))
+        with mock.patch("vllm_kbit.moe.DENSE_MIN_PAIRS_PER_EXPERT", 1), \
+                mock.patch("vllm_kbit.moe.GROUPED_MIN_PAIRS_PER_EXPERT", 1):
+            with mock.patch("vllm_kbit.ops.has_moe_grouped", return_value=False), \
+                    pytest.raises(RuntimeError, match="dense"):
+                experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE))  # no grouped kernel: dense
+            with mock.patch("vllm_kbit.ops.has_moe_grouped", return_value=True), \
+                    pytest.raises(RuntimeError, match="grouped"):
+                experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE))  # Hopper: the grouped kernel
+            with pytest.raises(RuntimeError, match="dense"):
+                experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE), path="dense")  # still forced
+
+
+def test_grouped_path_choices():
+    """The path by pairs per expert and kernel, the block_m by pairs per expert, and the
+    activations the grouped kernel fuses: every one the layer accepts, the same function as the
+    activation vLLM runs between the GEMMs."""
+    from vllm_kbit import moe
+    from vllm_kbit.moe_cpu import ACTIVATIONS, moe_activation
+    low, high = moe.GROUPED_MIN_PAIRS_PER_EXPERT, moe.DENSE_MIN_PAIRS_PER_EXPERT
+    with mock.patch("vllm_kbit.ops.has_moe_grouped", return_value=True):
+        assert moe.choose_path((low - 1) * 8, 8) == "gemm" and moe.choose_path(low * 8, 8) == "grouped"
+        assert moe.choose_path(high * 8, 8) == "grouped"
+    with mock.patch("vllm_kbit.ops.has_moe_grouped", return_value=False):
+        assert moe.choose_path(low * 8, 8) == "gemm"
+        assert moe.choose_path((high - 1) * 8, 8) == "gemm" and moe.choose_path(high * 8, 8) == "dense"
+    mid, tall = moe.GROUPED_MT128_MIN_PAIRS_PER_EXPERT, moe.GROUPED_MT256_MIN_PAIRS_PER_EXPERT
+    assert [moe.grouped_block_m(p * 8, 8) for p in (mid - 1, mid, tall - 1, tall)] == [64, 128, 128, 256]
+    assert set(moe.GROUPED_ACTIVATIONS) == set(ACTIVATIONS)
+    h = torch.randn(5, 256, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for act, code in moe.GROUPED_ACTIVATIONS.items():
+        assert ops.moe_activation_gated(code) == act.is_gated, act
+        torch.testing.assert_close(ops.moe_activation_apply(code, h.float()), moe_activation(act, h.float()))
+
+
+def test_grouped_op_fake_and_reference_errors():
+    gen = torch.Generator().manual_seed(6)
+    q, a, _ = random_experts(3, 128, 64, 3, gen)
+    packed, absmax = repack_experts(q.to(DEVICE), a.to(DEVICE), 3)
+    cb = kf.default_codebook(3).to(DEVICE)
+    _, ids = routing(5, 3, 2, gen)
+    s, e, p = (t.to(DEVICE) for t in align_block_size_torch(ids, 64, 3))
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    tw = torch.rand(5, 2, generator=gen).to(DEVICE)
+    if DEVICE == "cpu" or ops.has_moe_grouped():
+        for act in (0, 1):
+            torch.library.opcheck(torch.ops.kbit.moe_gemm_grouped.default,
+                                  (x, packed, absmax, cb, 3, 128, 64, s, e, p, 64, 2, tw, act, True),
+                                  test_utils=("test_schema", "test_faketensor"))
+        y = torch.ops.kbit.moe_gemm_grouped(x, packed, absmax, cb, 3, 128, 64, s, e, p, 64, 2, None, 1)
+        assert y.shape == (10, 64)
+    if not ops.HAS_CUDA_KERNELS:
+        with pytest.raises(ValueError, match="block_m must be 64, 128 or 256"):
+            torch.ops.kbit.moe_gemm_grouped(x, packed, absmax, cb, 3, 128, 64, s, e, p, 16, 2)
+        with pytest.raises(ValueError, match="activation must be 0..7"):
+            torch.ops.kbit.moe_gemm_grouped(x, packed, absmax, cb, 3, 128, 64, s, e, p, 64, 2, None, 8)
+        with pytest.raises(ValueError, match="gated activation needs n"):
+            torch.ops.kbit.moe_gemm_grouped(x[:, :32].contiguous(), packed, absmax, cb, 3, 64, 32, s, e, p, 64, 2,
+                                            None, 1)
 
 
 # ----------------------------------------------------------------------------- inside vLLM's MoE layer

@@ -117,6 +117,35 @@ def _moe_self_test() -> str:
     return f"MoE experts (moe_gemm, {m} tokens x top-{top_k}, {kernel}): ok, relative error {err:.1e}"
 
 
+def _moe_grouped_self_test() -> str:
+    """Run kbit::moe_gemm_grouped once (4 bf16 experts, 40 tokens x top-2 in blocks of 64, the
+    gated silu fused); its relative error against float64."""
+    from vllm_kbit import format as kf
+    from vllm_kbit import ops
+    from vllm_kbit.moe_cpu import align_block_size_torch
+
+    experts, n, k, bits, m, top_k, block_m = 4, 256, 256, 4, 40, 2, 64
+    cb = kf.default_codebook(bits, "cuda")
+    q, a = zip(*[ops.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), bits, cb)[:2]
+                 for _ in range(experts)])
+    tiles = [ops.repack(q[e], a[e], bits) for e in range(experts)]
+    packed = torch.stack([p.reshape(-1) for p, _ in tiles])
+    absmax = torch.stack([t.reshape(-1) for _, t in tiles])
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    ids = torch.randint(0, experts, (m, top_k), device="cuda", dtype=torch.int32)
+    aligned = align_block_size_torch(ids, block_m, experts)
+    silu_and_mul = ops.MOE_ACTIVATIONS.index("silu_and_mul")
+    y = torch.ops.kbit.moe_gemm_grouped(x, packed, absmax, cb, bits, n, k, *aligned, block_m, top_k, None,
+                                        silu_and_mul)
+    torch.cuda.synchronize()
+    w = [kf.dequantize(q[e], a[e], bits, cb, dtype=torch.float64) for e in range(experts)]
+    h = torch.stack([x[p // top_k].double() @ w[int(e)].t() for p, e in enumerate(ids.reshape(-1))])
+    ref = ops.moe_activation_apply(silu_and_mul, h)
+    err = _checked_error(y, ref)
+    kernel = ops.moe_grouped_kernel(bits, torch.bfloat16, block_m, aligned[0].numel(), n, silu_and_mul)
+    return f"MoE experts, large batches (moe_gemm_grouped, {kernel}): ok, relative error {err:.1e}"
+
+
 def _fp8_self_test() -> str:
     """Run kbit::gemm_fp8 (FP8 activations) once on a random bf16 problem of a prefill's size
     (below it the plan runs 16-bit activations, which the lines above check); the kernel its plan
@@ -262,6 +291,12 @@ def run(out=sys.stdout, model: str | None = None) -> int:
             except Exception as e:  # e.g. an extension built before the MoE kernels: no CUDA kernel
                 say(f"  MoE experts (moe_gemm): FAILED: {' '.join(str(e).split())[:300]}")
                 problems.append(f"the MoE expert kernel fails on this GPU (a stale build? {ops.build_command()})")
+            if ops.has_moe_grouped():  # Hopper with sm_90a code, as the wgmma path
+                try:
+                    say("  " + _moe_grouped_self_test())
+                except Exception as e:
+                    say(f"  MoE experts, large batches (moe_gemm_grouped): FAILED: {' '.join(str(e).split())[:300]}")
+                    problems.append("the grouped MoE kernel fails on this GPU")
             if ops.has_fp8():  # an optional path: listed where this build and GPU have it
                 try:
                     say("  " + _fp8_self_test())

@@ -17,8 +17,12 @@ from `...experts.{e}.{proj}.codebook`, and the MoE ops decode expert e with row 
 Forward (`experts_forward`), vLLM's fused_moe recipe with kbit GEMMs:
   small batches: moe_align_block_size -> kbit::moe_gemm (w13) -> activation -> kbit::moe_gemm
                  (w2, times the router weights) -> moe_sum;
-  large batches: kbit::dequantize_experts on chunks of experts (bounded scratch) -> vLLM's
-                 Triton fused_experts on each chunk (an expert map selects its experts), summed.
+  large batches, Hopper (sm_90a build): moe_align_block_size at block_m 64 / 128 / 256 ->
+                 kbit::moe_gemm_grouped (w13, the activation fused into its epilogue) ->
+                 kbit::moe_gemm_grouped (w2, times the router weights) -> moe_sum;
+  large batches elsewhere ("dense"): kbit::dequantize_experts on chunks of experts (bounded
+                 scratch) -> vLLM's Triton fused_experts on each chunk (an expert map selects
+                 its experts), summed.
 No host synchronisation on the GPU: it runs inside vLLM's opaque moe_forward op, under CUDA
 graphs and torch.compile. On the CPU the same code runs with torch stand-ins for vLLM's CUDA
 pieces (alignment, activation, sum, fused_experts), kept apart in vllm_kbit/moe_cpu.py.
@@ -47,11 +51,33 @@ BLOCK_M = 16
 # the align kernel is gone; two tokens on one expert read its weights twice, which is rare
 # while pairs are fewer than half the experts.
 SPARSE_MAX_PAIRS_PER_EXPERT = 0.5
-# From this many (token, expert) pairs per expert a layer dequantizes its experts and runs
-# vLLM's bf16 / fp16 Triton MoE instead of kbit::moe_gemm, whose blocks of BLOCK_M pairs each
-# read their expert's weights once: the crossover on Qwen3-30B-A3B's experts lies between 64
-# and 256 (docs/PERFORMANCE.md).
+# Without the grouped kernel (GPUs other than Hopper), from this many (token, expert) pairs per
+# expert a layer dequantizes its experts and runs vLLM's bf16 / fp16 Triton MoE instead of
+# kbit::moe_gemm, whose blocks of BLOCK_M pairs each read their expert's weights once: the
+# crossover on Qwen3-30B-A3B's experts lies between 64 and 256 (docs/PERFORMANCE.md).
 DENSE_MIN_PAIRS_PER_EXPERT = 128
+# Where the grouped tensor-core kernel runs (ops.has_moe_grouped), it replaces kbit::moe_gemm
+# from this many pairs per expert: a first estimate, not a measured crossover (the grouped
+# kernel reads each expert's weights once per 64 pairs and multiplies on the tensor cores,
+# moe_gemm reads them once per BLOCK_M = 16); bench_moe.py's gemm and grouped rows place it.
+GROUPED_MIN_PAIRS_PER_EXPERT = 32
+# The grouped tensor-core kernel (kbit::moe_gemm_grouped) takes blocks of 128 sorted pairs from
+# this many pairs per expert, of 256 (its tall CTA) from the second, of 64 below: a larger CTA
+# decodes each weight once for more rows, but pads each expert's run to a multiple of its rows.
+# First estimates, for bench_moe.py (`--paths grouped@64,grouped@128,grouped@256`) to place.
+GROUPED_MT128_MIN_PAIRS_PER_EXPERT = 192
+GROUPED_MT256_MIN_PAIRS_PER_EXPERT = 512
+# The activations kbit::moe_gemm_grouped fuses into its epilogue (ops.MOE_ACTIVATIONS codes).
+GROUPED_ACTIVATIONS = {
+    MoEActivation.SILU: ops.MOE_ACTIVATIONS.index("silu_and_mul"),
+    MoEActivation.GELU: ops.MOE_ACTIVATIONS.index("gelu_and_mul"),
+    MoEActivation.GELU_TANH: ops.MOE_ACTIVATIONS.index("gelu_tanh_and_mul"),
+    MoEActivation.SILU_NO_MUL: ops.MOE_ACTIVATIONS.index("silu"),
+    MoEActivation.GELU_NO_MUL: ops.MOE_ACTIVATIONS.index("gelu"),
+    MoEActivation.GELU_TANH_NO_MUL: ops.MOE_ACTIVATIONS.index("gelu_tanh"),
+    MoEActivation.RELU2_NO_MUL: ops.MOE_ACTIVATIONS.index("relu2"),
+}
+PATHS = ("gemm", "grouped", "dense")
 # Bytes of dequantized experts (w13 + w2) the large-batch path holds at once.
 DENSE_SCRATCH_BYTES = 1 << 30
 
@@ -136,21 +162,27 @@ def sparse_blocks(topk_ids: torch.Tensor):
 
 
 def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                    apply_router_weight_on_input: bool = False, path: str | None = None) -> torch.Tensor:
+                    apply_router_weight_on_input: bool = False, path: str | None = None,
+                    overrides: str = "", block_m: int | None = None) -> torch.Tensor:
     """The routed experts' output [M, H] in x.dtype: sum over k of topk_weights[:, k] times expert
     topk_ids[:, k] applied to x (the router weights multiply x instead when
-    apply_router_weight_on_input). `path`: "gemm" (kbit::moe_gemm), "dense" (dequantize +
-    fused_experts), or None: by the pairs per expert (DENSE_MIN_PAIRS_PER_EXPERT)."""
+    apply_router_weight_on_input). `path`: "gemm" (kbit::moe_gemm), "grouped"
+    (kbit::moe_gemm_grouped, Hopper), "dense" (dequantize + fused_experts), or None
+    (choose_path). `overrides`: the grouped kernel's plan overrides (csrc/dispatch/overrides.h,
+    `moe.*`) and `block_m` its CTA's tokens (None: grouped_block_m), for tests and benchmarks."""
     m, top_k = topk_ids.shape
     global_e = ex.global_num_experts if ex.global_num_experts > 0 else ex.num_experts
     if path is None:
-        path = "dense" if m * top_k >= DENSE_MIN_PAIRS_PER_EXPERT * global_e else "gemm"
+        path = choose_path(m * top_k, global_e)
+    if path not in PATHS:
+        raise ValueError(f"kbit MoE: path must be one of {', '.join(map(repr, PATHS))} or None, got {path!r}")
     if apply_router_weight_on_input and top_k != 1:
         raise ValueError(f"kbit MoE: apply_router_weight_on_input needs top_k = 1, got {top_k}")
     if path == "dense":
         return _forward_dense(ex, x, topk_weights, topk_ids, apply_router_weight_on_input)
-    if path != "gemm":
-        raise ValueError(f"kbit MoE: path must be 'gemm', 'dense' or None, got {path!r}")
+    if path == "grouped":
+        return _forward_grouped(ex, x, topk_weights, topk_ids, apply_router_weight_on_input,
+                                block_m or grouped_block_m(m * top_k, global_e), overrides)
     if ex.expert_map is None and m * top_k <= SPARSE_MAX_PAIRS_PER_EXPERT * global_e:
         block_m, (sorted_ids, expert_ids, num_post) = 1, sparse_blocks(topk_ids)
     else:
@@ -165,6 +197,50 @@ def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor
     y = torch.ops.kbit.moe_gemm(a, ex.w2, ex.w2_absmax, ex.w2_codebooks, ex.bits, ex.hidden, ex.inter,
                                 sorted_ids, expert_ids, num_post, block_m, 1,
                                 None if apply_router_weight_on_input else topk_weights)
+    return moe_sum(y.view(m, top_k, ex.hidden))
+
+
+def choose_path(num_pairs: int, global_experts: int) -> str:
+    """The path of a batch of `num_pairs` (token, expert) pairs: where this build and GPU run
+    the grouped tensor-core kernel (ops.has_moe_grouped: Hopper), kbit::moe_gemm below
+    GROUPED_MIN_PAIRS_PER_EXPERT pairs per expert and the grouped kernel from there; elsewhere
+    kbit::moe_gemm below DENSE_MIN_PAIRS_PER_EXPERT and dequantize + fused_experts from there."""
+    if num_pairs < min(GROUPED_MIN_PAIRS_PER_EXPERT, DENSE_MIN_PAIRS_PER_EXPERT) * global_experts:
+        return "gemm"  # either way (the decode steps ask no more)
+    if ops.has_moe_grouped():
+        return "grouped" if num_pairs >= GROUPED_MIN_PAIRS_PER_EXPERT * global_experts else "gemm"
+    return "dense" if num_pairs >= DENSE_MIN_PAIRS_PER_EXPERT * global_experts else "gemm"
+
+
+def grouped_block_m(num_pairs: int, global_experts: int) -> int:
+    """kbit::moe_gemm_grouped's block_m (its CTA's tokens) for this many pairs."""
+    if num_pairs >= GROUPED_MT256_MIN_PAIRS_PER_EXPERT * global_experts:
+        return 256
+    return 128 if num_pairs >= GROUPED_MT128_MIN_PAIRS_PER_EXPERT * global_experts else 64
+
+
+def _forward_grouped(ex, x, topk_weights, topk_ids, apply_router_weight_on_input, block_m, overrides=""):
+    m, top_k = topk_ids.shape
+    global_e = ex.global_num_experts if ex.global_num_experts > 0 else ex.num_experts
+    sorted_ids, expert_ids, num_post = align_block_size(topk_ids, block_m, global_e, ex.expert_map)
+    if apply_router_weight_on_input:
+        x = (x.float() * topk_weights.float().reshape(-1, 1)).to(x.dtype)
+    x, topk_weights = x.contiguous(), topk_weights.contiguous()
+    # the activation in the first GEMM's epilogue where the kernel has it (gated: gate and up
+    # halves of whole 64-column units), else vLLM's between the two
+    act = GROUPED_ACTIVATIONS.get(ex.activation, 0)
+    if ops.moe_activation_gated(act) and ex.n13 % 128:
+        act = 0
+    # the down projection reads only the rows of covered pairs: h needs no zeroing
+    h = torch.ops.kbit.moe_gemm_grouped(x, ex.w13, ex.w13_absmax, ex.codebook, ex.bits, ex.n13, ex.hidden,
+                                        sorted_ids, expert_ids, num_post, block_m, top_k, None, act, False,
+                                        overrides)
+    a = h if act else moe_activation(ex.activation, h)
+    # pairs of experts off this rank are in no block: their rows must be 0 for moe_sum
+    y = torch.ops.kbit.moe_gemm_grouped(a, ex.w2, ex.w2_absmax, ex.w2_codebooks, ex.bits, ex.hidden, ex.inter,
+                                        sorted_ids, expert_ids, num_post, block_m, 1,
+                                        None if apply_router_weight_on_input else topk_weights, 0,
+                                        ex.expert_map is not None, overrides)
     return moe_sum(y.view(m, top_k, ex.hidden))
 
 

@@ -13,6 +13,12 @@ as opaque and hand it back to `gemm` unchanged.
   kbit::quantize(w[N,K], codebook, bits) -> (qweight, absmax)          checkpoint layout
   kbit::moe_gemm(x, packed[E], absmax[E], codebook, bits, n, k, sorted_token_ids, expert_ids,
                  num_tokens_post_padded, block_m, top_k, topk_weights?) -> y[T*top_k, n]
+  kbit::moe_gemm_grouped(x, packed[E], absmax[E], codebook, bits, n, k, sorted_token_ids, expert_ids,
+                         num_tokens_post_padded, block_m, top_k, topk_weights?, activation=0,
+                         zero_uncovered=True, overrides="") -> y[T*top_k, n or n/2]
+      the grouped tensor-core form (Hopper; block_m 64, 128 or 256), the activation
+      (MOE_ACTIVATIONS) fused; rows no block covers zeroed only where zero_uncovered;
+      overrides: "moe.one_per_sm=0|1" forces the 64-token build (the reference ignores them)
   kbit::dequantize_experts(packed[E], absmax[E], codebook, bits, n, k, dtype) -> W[E, n, k]
   kbit::gemm_fp8(x, packed, absmax, codebook, bits, n, k, w_exp, bias?) -> y[M, n]
       FP8 (e4m3) activations, per-token scales; w_exp: fp8.weight_exponent of the layer
@@ -51,6 +57,10 @@ _lib.define("quantize(Tensor weight, Tensor codebook, int bits) -> (Tensor, Tens
 _lib.define("moe_gemm(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, "
             "SymInt k, Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, "
             "int block_m, int top_k, Tensor? topk_weights=None) -> Tensor")
+_lib.define("moe_gemm_grouped(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, "
+            "SymInt k, Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, "
+            "int block_m, int top_k, Tensor? topk_weights=None, int activation=0, bool zero_uncovered=True, "
+            "str overrides=\"\") -> Tensor")
 _lib.define("dequantize_experts(Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, "
             "SymInt k, ScalarType dtype) -> Tensor")
 _lib.define("gemm_fp8(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, int bits, SymInt n, SymInt k, "
@@ -184,12 +194,12 @@ def _work_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _moe_gemm_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
-                  num_tokens_post_padded, block_m, top_k, topk_weights=None):
+def _moe_pairs_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
+                   num_tokens_post_padded, block_m, top_k, op):
     # Which expert each pair p = token * top_k + slot gets, from the blocks alone (as the kernel
     # reads them); pairs no valid block covers stay at -1 and give 0. Computed in float32
-    # (float64 for float64 x), rounded to x.dtype once. Shape-only control flow: no host sync.
-    _check_expert_layout(packed, absmax, bits, n, k, "moe_gemm")
+    # (float64 for float64 x), unrounded. Shape-only control flow: no host sync.
+    _check_expert_layout(packed, absmax, bits, n, k, op)
     num_pairs = x.shape[0] * top_k
     work = _work_dtype(x.dtype)
     ids = sorted_token_ids.long()
@@ -203,12 +213,77 @@ def _moe_gemm_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, exp
     pair_expert = pair_expert[:num_pairs]
     rows = x.to(work).repeat_interleave(top_k, dim=0)
     y = torch.zeros(num_pairs, n, dtype=work, device=x.device)
-    cbs = _expert_codebooks(codebook, bits, packed.shape[0], "moe_gemm", x.device, work)
+    cbs = _expert_codebooks(codebook, bits, packed.shape[0], op, x.device, work)
     for e in range(packed.shape[0]):
         w = kf.dequantize(packed[e], absmax[e], bits, cbs[e], dtype=work)
         y = torch.where((pair_expert == e).unsqueeze(1), rows @ w.t(), y)
+    return y
+
+
+def _moe_gemm_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
+                  num_tokens_post_padded, block_m, top_k, topk_weights=None):
+    # rounded to x.dtype once, after the router weights
+    y = _moe_pairs_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
+                       num_tokens_post_padded, block_m, top_k, "moe_gemm")
     if topk_weights is not None:
-        y = y * topk_weights.reshape(-1, 1).to(work)
+        y = y * topk_weights.reshape(-1, 1).to(y.dtype)
+    return y.to(x.dtype)
+
+
+# kbit::moe_gemm_grouped's `activation` codes (csrc/moe/grouped_config.h Activation): the
+# activations vLLM's apply_moe_activation runs without clamp parameters, as
+# vllm_kbit/moe_cpu.py ACTIVATIONS lists them. The gated ones ("_and_mul") read W rows [0, n/2)
+# as the gate and [n/2, n) as the up projection and give n/2 columns act(gate) * up.
+MOE_ACTIVATIONS = ("none", "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul", "silu", "gelu", "gelu_tanh",
+                   "relu2")
+# The activations themselves (the gated ones apply the first to the gate), in torch.
+MOE_ACTIVATION_FNS = {
+    "none": lambda t: t,
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+    "relu2": lambda t: torch.nn.functional.relu(t).square(),
+}
+
+
+def moe_activation_gated(activation: int) -> bool:
+    return MOE_ACTIVATIONS[activation].endswith("_and_mul")
+
+
+def moe_activation_apply(activation: int, h: torch.Tensor) -> torch.Tensor:
+    """MOE_ACTIVATIONS[activation] of h [P, n] -> [P, n / 2] (gated) or [P, n], in h's dtype."""
+    name = MOE_ACTIVATIONS[activation]
+    if name.endswith("_and_mul"):
+        gate, up = h.chunk(2, dim=-1)
+        return MOE_ACTIVATION_FNS[name[:-len("_and_mul")]](gate) * up
+    return MOE_ACTIVATION_FNS[name](h)
+
+
+def check_moe_activation(activation: int, n: int, op: str) -> None:
+    """The ValueError kbit::moe_gemm_grouped's binding raises (as a RuntimeError) for a bad
+    activation code, or a gated one whose gate and up halves are not whole 64-column units."""
+    if not 0 <= activation < len(MOE_ACTIVATIONS):
+        raise ValueError(f"kbit::{op}: activation must be 0..{len(MOE_ACTIVATIONS) - 1} (MOE_ACTIVATIONS), "
+                         f"got {activation}")
+    if moe_activation_gated(activation) and n % 128:
+        raise ValueError(f"kbit::{op}: a gated activation needs n = 2 x the intermediate size, a multiple of "
+                         f"128; got n = {n}")
+
+
+def _moe_gemm_grouped_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
+                          num_tokens_post_padded, block_m, top_k, topk_weights=None, activation=0,
+                          zero_uncovered=True, overrides=""):
+    # the kernel's function: activation and router weight in float32, one rounding; uncovered
+    # rows are 0 whatever zero_uncovered says (the kernel leaves them unspecified without it)
+    check_moe_activation(activation, n, "moe_gemm_grouped")
+    if block_m not in (64, 128, 256):
+        raise ValueError(f"kbit::moe_gemm_grouped: block_m must be 64, 128 or 256 (the kernels' tokens per CTA), "
+                         f"got {block_m}")
+    y = _moe_pairs_ref(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
+                       num_tokens_post_padded, block_m, top_k, "moe_gemm_grouped")
+    y = moe_activation_apply(activation, y)
+    if topk_weights is not None:
+        y = y * topk_weights.reshape(-1, 1).to(y.dtype)
     return y.to(x.dtype)
 
 
@@ -255,6 +330,7 @@ for _key in _REF_KEYS:
     _lib.impl("gemm", _gemm_ref, _key)
     _lib.impl("quantize", _quantize_ref, _key)
     _lib.impl("moe_gemm", _moe_gemm_ref, _key)
+    _lib.impl("moe_gemm_grouped", _moe_gemm_grouped_ref, _key)
     _lib.impl("dequantize_experts", _dequantize_experts_ref, _key)
     _lib.impl("gemm_fp8", _gemm_fp8_ref, _key)
     _lib.impl("gemm_fp8_path", _gemm_fp8_path_ref, _key)
@@ -274,6 +350,14 @@ def _gemm_fake(x, packed, absmax, codebook, bits, n, k, bias=None):
 def _moe_gemm_fake(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
                    num_tokens_post_padded, block_m, top_k, topk_weights=None):
     return x.new_empty((x.shape[0] * top_k, n))
+
+
+@torch.library.register_fake("kbit::moe_gemm_grouped")
+def _moe_gemm_grouped_fake(x, packed, absmax, codebook, bits, n, k, sorted_token_ids, expert_ids,
+                           num_tokens_post_padded, block_m, top_k, topk_weights=None, activation=0,
+                           zero_uncovered=True, overrides=""):
+    check_moe_activation(activation, n, "moe_gemm_grouped")
+    return x.new_empty((x.shape[0] * top_k, n // 2 if moe_activation_gated(activation) else n))
 
 
 @torch.library.register_fake("kbit::dequantize_experts")
@@ -496,6 +580,27 @@ def gemm_kernel(m, n, k, bits, dtype=torch.float16, path=Path.AUTO, splits=0, ov
 def moe_kernel(bits, dtype=torch.float16) -> str:
     """The MoE expert GEMV kernel kbit::moe_gemm runs."""
     return torch.ops.kbit.moe_kernel(bits, dtype)
+
+
+_MOE_GROUPED = {}  # device index -> has_moe_grouped()
+
+
+def has_moe_grouped() -> bool:
+    """Whether this build and the current GPU run kbit::moe_gemm_grouped's kernel (sm_90a code on
+    a compute capability 9.0 GPU; False without the extension). Asked once per device."""
+    if not (HAS_CUDA_KERNELS and torch.cuda.is_available() and hasattr(torch.ops.kbit, "has_moe_grouped")):
+        return False
+    dev = torch.cuda.current_device()
+    if dev not in _MOE_GROUPED:
+        _MOE_GROUPED[dev] = bool(torch.ops.kbit.has_moe_grouped())
+    return _MOE_GROUPED[dev]
+
+
+def moe_grouped_kernel(bits, dtype, block_m, num_sorted, n, activation=0, overrides=None) -> str:
+    """The grouped MoE kernel kbit::moe_gemm_grouped runs for these shapes (num_sorted: the length
+    of the sorted ids) on the current device."""
+    return torch.ops.kbit.moe_grouped_kernel(bits, dtype, block_m, num_sorted, n, activation,
+                                             plan_overrides(overrides))
 
 
 def heuristics_table() -> str:

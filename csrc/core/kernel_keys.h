@@ -52,6 +52,15 @@ struct MoeKey {
   DType dtype = DType::kHalf;
 };
 
+// moe/grouped_kernel.cuh: moe_grouped_kernel<bits, tile_m, built_per_sm, T> (the grouped wgmma MoE
+// GEMM, sm_90a).
+struct MoeGroupedKey {
+  int bits = 4;
+  DType dtype = DType::kHalf;
+  int tile_m = 128;      // tokens per CTA: the block_m of the sorted ids it takes (64, 128, 256)
+  int built_per_sm = 1;  // CTAs per SM the kernel is built for: 1 (a producer warpgroup) or 2 (at 64)
+};
+
 // wgmma_fp8/fp8_kernel.cuh: gemm_kernel<bits, tile_m, tile_n, T> (FP8 activations, sm_90a).
 struct Fp8Key {
   int bits = 4;
@@ -93,6 +102,11 @@ inline std::string describe(const WgmmaKey& k) {
 inline std::string describe(const MoeKey& k) {
   char s[48];
   std::snprintf(s, sizeof s, "moe_gemv<K%d,%s>", k.bits, dtype_name(k.dtype));
+  return s;
+}
+inline std::string describe(const MoeGroupedKey& k) {
+  char s[48];
+  std::snprintf(s, sizeof s, "moe_grouped<K%d,%s,mt%d,cps%d>", k.bits, dtype_name(k.dtype), k.tile_m, k.built_per_sm);
   return s;
 }
 inline std::string describe(const Fp8Key& k) {

@@ -1,6 +1,6 @@
 // Plan overrides: what a test or a benchmark may force in the launch plans, passed explicitly to
-// the path-forcing op (kbit::gemm_path), the FP8 GEMM's test hook (kbit::gemm_fp8_quantized) and
-// the plan ops (kbit::gemv_plan / mma_plan / wgmma_plan / fp8_plan) as one string of comma-separated `key=value` fields. kbit::gemm never takes overrides: its
+// the path-forcing op (kbit::gemm_path), the FP8 GEMM's test hook (kbit::gemm_fp8_quantized), the
+// grouped MoE GEMM (kbit::moe_gemm_grouped) and the plan ops (kbit::gemv_plan / mma_plan / wgmma_plan / fp8_plan) as one string of comma-separated `key=value` fields. kbit::gemm never takes overrides: its
 // plans depend on the shape and the device alone. Host code only, torch-free (the CPU replays in
 // tests/cpp parse the same strings).
 //
@@ -27,6 +27,8 @@
 //   wgmma.y_tma          0: unsplit calls store y element by element, not through TMA
 //   wgmma.tall_split     0: 256-token tiles never split along K
 //   wgmma.zeroed_counters 0: cluster-group counters zeroed in the workspace, not kept zero
+//   moe.one_per_sm       0 | 1: the grouped MoE GEMM's 64-token CTA built for two / one per SM
+//                        (-1: the launch's choice, launch_moe_grouped)
 //   fp8.tile_m           64 | 128 | 256: the FP8 GEMM's tokens per CTA (with fp8.tile_n: the tile;
 //   fp8.tile_n           128 | 256: its columns per CTA     either alone: the other 128)
 //   fp8.path             -1 | 0 | 1 | 2: kbit::gemm_fp8's path (fp8::Path): 0 the fused kernel,
@@ -73,6 +75,9 @@ struct Fp8Overrides {
   int path = -1;            // -1: the plan's; else an fp8::Path (dispatch/fp8_plan.h)
 };
 
+struct MoeOverrides {
+  int one_per_sm = -1;      // -1: the launch's choice
+};
 struct PlanOverrides {
   bool pdl = true;
   bool pdl_trigger = true;
@@ -81,6 +86,7 @@ struct PlanOverrides {
   MmaOverrides mma;
   WgmmaOverrides wgmma;
   Fp8Overrides fp8;
+  MoeOverrides moe;
 };
 
 // Parses `text` ("key=value,key=value", spaces allowed around fields) into *out, starting from
@@ -136,6 +142,7 @@ inline std::string parse_overrides(const std::string& text, PlanOverrides* out) 
     else if (key == "wgmma.y_tma") ok = flag(&out->wgmma.y_tma);
     else if (key == "wgmma.tall_split") ok = flag(&out->wgmma.tall_split);
     else if (key == "wgmma.zeroed_counters") ok = flag(&out->wgmma.zeroed_counters);
+    else if (key == "moe.one_per_sm") ok = in(-1, 1) && (out->moe.one_per_sm = int(v), true);
     else if (key == "fp8.tile_m") ok = one_of({0, 64, 128, 256}) && (out->fp8.tile_m = int(v), true);
     else if (key == "fp8.tile_n") ok = one_of({0, 128, 256}) && (out->fp8.tile_n = int(v), true);
     else if (key == "fp8.path") ok = in(-1, 2) && (out->fp8.path = int(v), true);

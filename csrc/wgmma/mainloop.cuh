@@ -70,7 +70,11 @@ __device__ __forceinline__ void produce(const CtaTile<BITS, MT, CN, R, CPS>& tl,
 // (and, without a producer, refill the stage two tiles back), read this lane's plane words and
 // absmax codes, then per 32-block decode into one of two A buffers and issue its wgmma while the
 // other buffer's group is still in flight. Returns with every wgmma retired into acc.
-template <int BITS, int MT, int CN, int R, int CPS, typename T, typename StageAddr, typename Issue>
+// kGatheredX: x reaches the stages through cp.async (the MoE kernel's gathered rows,
+// moe/grouped_kernel.cuh), writes of the generic proxy, which the wgmmas read through the
+// async proxy: each thread fences between the stage's completion and its wgmmas.
+template <int BITS, int MT, int CN, int R, int CPS, typename T, bool kGatheredX = false, typename StageAddr,
+          typename Issue>
 __device__ __forceinline__ void consume(const CtaTile<BITS, MT, CN, R, CPS>& tl, const Params& p,
                                         const StageAddr& stage_addr, const Issue& issue,
                                         float (&acc)[Cfg<BITS, MT, CN, R, CPS>::kSets][MT / 2]) {
@@ -95,6 +99,7 @@ __device__ __forceinline__ void consume(const CtaTile<BITS, MT, CN, R, CPS>& tl,
   uint32_t A[2][kSets][2][4];
   for (int t = 0; t < nt; ++t) {
     stage_wait(tl.bar0 + 8 * (t % C::kStages), (t / C::kStages) & 1);  // x and W of tile t have landed
+    if constexpr (kGatheredX) fence_proxy_async();
     if constexpr (!C::kProducer) {
       // every warp is past iteration t - 1, whose wgmma.wait retired tile t - 2's reads: its
       // stage may be refilled
