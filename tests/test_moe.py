@@ -299,7 +299,8 @@ def test_path_switch_and_errors():
             mock.patch("vllm_kbit.moe._forward_grouped", side_effect=RuntimeError("grouped")):
         experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE))  # 6 pairs: the gemm path
         with mock.patch("vllm_kbit.moe.DENSE_MIN_PAIRS_PER_EXPERT", 1), \
-                mock.patch("vllm_kbit.moe.GROUPED_MIN_PAIRS_PER_EXPERT", 1):
+                mock.patch("vllm_kbit.moe.GROUPED_MIN_PAIRS_PER_EXPERT", 1), \
+                mock.patch("vllm_kbit.moe.GROUPED_CHOSEN", True):
             with mock.patch("vllm_kbit.ops.has_moe_grouped", return_value=False), \
                     pytest.raises(RuntimeError, match="dense"):
                 experts_forward(ex, x, weights.to(DEVICE), ids.to(DEVICE))  # no grouped kernel: dense
@@ -317,9 +318,11 @@ def test_grouped_path_choices():
     from vllm_kbit import moe
     from vllm_kbit.moe_cpu import ACTIVATIONS, moe_activation
     low, high = moe.GROUPED_MIN_PAIRS_PER_EXPERT, moe.DENSE_MIN_PAIRS_PER_EXPERT
-    with mock.patch("vllm_kbit.ops.has_moe_grouped", return_value=True):
+    with mock.patch("vllm_kbit.ops.has_moe_grouped", return_value=True), mock.patch("vllm_kbit.moe.GROUPED_CHOSEN", True):
         assert moe.choose_path((low - 1) * 8, 8) == "gemm" and moe.choose_path(low * 8, 8) == "grouped"
         assert moe.choose_path(high * 8, 8) == "grouped"
+    with mock.patch("vllm_kbit.ops.has_moe_grouped", return_value=True), mock.patch("vllm_kbit.moe.GROUPED_CHOSEN", False):
+        assert moe.choose_path(high * 8, 8) == "dense"  # until it has run on a GPU: the measured paths
     with mock.patch("vllm_kbit.ops.has_moe_grouped", return_value=False):
         assert moe.choose_path(low * 8, 8) == "gemm"
         assert moe.choose_path((high - 1) * 8, 8) == "gemm" and moe.choose_path(high * 8, 8) == "dense"

@@ -61,6 +61,11 @@ DENSE_MIN_PAIRS_PER_EXPERT = 128
 # kernel reads each expert's weights once per 64 pairs and multiplies on the tensor cores,
 # moe_gemm reads them once per BLOCK_M = 16); bench_moe.py's gemm and grouped rows place it.
 GROUPED_MIN_PAIRS_PER_EXPERT = 32
+# Whether choose_path takes the grouped kernel by itself. It has not yet run on a GPU, so the
+# automatic choice keeps the measured paths (gemm, dense) and the grouped kernel runs where asked
+# for (path="grouped", bench_moe.py --paths grouped); its GPU tests and the bench rows that place
+# GROUPED_MIN_PAIRS_PER_EXPERT decide when this turns True.
+GROUPED_CHOSEN = False
 # The grouped tensor-core kernel (kbit::moe_gemm_grouped) takes blocks of 128 sorted pairs from
 # this many pairs per expert, of 256 (its tall CTA) from the second, of 64 below: a larger CTA
 # decodes each weight once for more rows, but pads each expert's run to a multiple of its rows.
@@ -202,12 +207,12 @@ def experts_forward(ex: KbitExperts, x: torch.Tensor, topk_weights: torch.Tensor
 
 def choose_path(num_pairs: int, global_experts: int) -> str:
     """The path of a batch of `num_pairs` (token, expert) pairs: where this build and GPU run
-    the grouped tensor-core kernel (ops.has_moe_grouped: Hopper), kbit::moe_gemm below
+    the grouped tensor-core kernel (ops.has_moe_grouped: Hopper) and GROUPED_CHOSEN, kbit::moe_gemm below
     GROUPED_MIN_PAIRS_PER_EXPERT pairs per expert and the grouped kernel from there; elsewhere
     kbit::moe_gemm below DENSE_MIN_PAIRS_PER_EXPERT and dequantize + fused_experts from there."""
     if num_pairs < min(GROUPED_MIN_PAIRS_PER_EXPERT, DENSE_MIN_PAIRS_PER_EXPERT) * global_experts:
         return "gemm"  # either way (the decode steps ask no more)
-    if ops.has_moe_grouped():
+    if GROUPED_CHOSEN and ops.has_moe_grouped():
         return "grouped" if num_pairs >= GROUPED_MIN_PAIRS_PER_EXPERT * global_experts else "gemm"
     return "dense" if num_pairs >= DENSE_MIN_PAIRS_PER_EXPERT * global_experts else "gemm"
 
