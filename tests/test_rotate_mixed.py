@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from vllm_kbit import format as kf
 from vllm_kbit.convert import ConversionError, convert, main
-from vllm_kbit.quant import mixed, rotate
+from vllm_kbit.quant import mixed, rotate, rounding
 from vllm_kbit.quant.codebooks import default_codebook
 from vllm_kbit.synthetic import make_random_model
 
@@ -168,6 +168,25 @@ def test_group_loss_falls_with_k_and_follows_the_inputs():
     rtn = mixed.group_loss([w], h, 2, method="rtn")
     assert rtn == pytest.approx(direct, rel=1e-3)  # the same rounding: the same loss
     assert losses[0] < rtn  # mse's scale search only lowers the error
+
+
+def test_group_loss_gptq_is_the_loss_gptq_leaves():
+    gen = torch.Generator().manual_seed(SEED)
+    ws = [torch.randn(48, 128, generator=gen), torch.randn(16, 128, generator=gen)]
+    x = torch.randn(1024, 128, generator=gen) @ torch.randn(128, 128, generator=gen)  # correlated inputs
+    h = x.T @ x
+    for k in (2, 3):
+        cb = default_codebook(k)
+        got = mixed.group_loss(ws, h, k, method="gptq")
+        num = den = 0.0
+        for w in ws:
+            q, a = rounding.quantize_gptq(w, h, k, cb)
+            d = kf.dequantize(q, a, k, cb) - w
+            num += (x @ d.T).double().pow(2).sum().item()
+            den += (x @ w.T).double().pow(2).sum().item()
+        assert got == pytest.approx(num / den, rel=1e-3)
+        # gptq lowers the output error below mse rounding on correlated inputs
+        assert got < 0.9 * mixed.group_loss(ws, h, k, method="mse")
 
 
 def _calib_text(path: Path) -> Path:

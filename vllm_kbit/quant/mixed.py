@@ -47,13 +47,16 @@ def stored_bytes(n_weights: int, bits: int) -> float:
 @torch.no_grad()
 def group_loss(weights: list[torch.Tensor], hessian: torch.Tensor, bits: int, method: str = "mse",
                codebook: torch.Tensor | None = None) -> float:
-    """Noise-to-signal of a group's outputs on the calibration inputs at K = bits."""
+    """Noise-to-signal of a group's outputs on the calibration inputs at K = bits, each weight
+    rounded by `method` (gptq: the whole group in one GPTQ sweep on `hessian`, so the loss is
+    the one GPTQ leaves, which it lowers most where the inputs are loud)."""
     cb = default_codebook(bits) if codebook is None else codebook
     cb = cb.to(hessian.device)
+    ws = [w.to(hessian.device, torch.float32) for w in weights]
+    codes = (rounding.gptq_shared_input(ws, hessian, bits, [cb] * len(ws)) if method == "gptq"
+             else [rounding.quantize_weight(w, bits, cb, method) for w in ws])
     num = den = 0.0
-    for w in weights:
-        w = w.to(hessian.device, torch.float32)
-        q, a = rounding.quantize_weight(w, bits, cb, "mse" if method == "gptq" else method)
+    for w, (q, a) in zip(ws, codes):
         d = kf.dequantize(q, a, bits, cb).to(w.dtype) - w
         num += float(torch.einsum("ij,jk,ik->", d, hessian, d))
         den += float(torch.einsum("ij,jk,ik->", w, hessian, w))
@@ -66,7 +69,8 @@ def measure(model, batches, candidates=CANDIDATES, method: str = "rtn", device="
     "loss": {K: loss}}} for every group of decoder linears whose members `select(name)` accepts
     (all by default). The model's weights are left as they were. `method` rounds each weight for
     the measurement: rtn by default, since the allocation needs the ranking of the groups'
-    losses, which rtn gives at a sixteenth of mse's cost (mse searches 16 scales per block)."""
+    losses, which rtn gives at a sixteenth of mse's cost (mse searches 16 scales per block);
+    gptq measures the loss a gptq conversion leaves (a GPTQ sweep per group and K)."""
     out: dict[str, dict] = {}
 
     def visit(names, weights, hessian):
