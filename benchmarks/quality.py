@@ -450,7 +450,9 @@ def minilm_cosine(args) -> None:
     results = sec.setdefault("results", {})
     for bits in args.bits:
         for method in args.methods:
-            name = f"kbit-{method} K{bits}"
+            # gptq on another calibration size than the default's 32 windows is named apart
+            tag = f"-c{args.calib}" if method == "gptq" and args.calib != 32 else ""
+            name = f"kbit-{method}{tag} K{bits}"
             if name in results:
                 continue
             t0 = time.time()
@@ -752,9 +754,11 @@ def main():
         (out_dir / "quality_fp8_minilm.json").write_text(json.dumps(minilm_fp8_sqnr(), indent=1) + "\n")
         return
     if args.minilm_only:
-        doc = {}
+        doc, path = {}, out_dir / "quality_minilm.json"
         minilm_sqnr(doc)
-        (out_dir / "quality_minilm.json").write_text(json.dumps(doc["minilm"], indent=1) + "\n")
+        kept = json.loads(path.read_text()) if path.is_file() else {}  # keeps the cosine section
+        kept.update(doc["minilm"] if isinstance(doc["minilm"], dict) else {"error": doc["minilm"]})
+        path.write_text(json.dumps(kept, indent=1) + "\n")
         return
     jpath = out_dir / ("quality_fp8_smollm2.json" if args.fp8 else "quality_smollm2.json")
     doc = json.loads(jpath.read_text()) if jpath.is_file() else {}
