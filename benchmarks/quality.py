@@ -28,8 +28,17 @@ entries already there) and plotted to OUT/quality_smollm2.png.
 --strict measures against fp32 on two texts, the held-out handbook pages and the Python library
 docs (apt-get install python3.11-doc; never calibrated on): perplexity, the mean KL divergence of
 the next-token distribution and top-1 agreement, for kbit with and without the folded Hadamard
-rotation (vllm_kbit.quant.rotate), mixed K per layer (vllm_kbit.quant.mixed), int RTN and HQQ;
-under "strict" in the same file.
+rotation (vllm_kbit.quant.rotate), mixed K per layer (vllm_kbit.quant.mixed; --sensitivity
+gptq chooses K from the loss gptq leaves instead of rtn's), int RTN and HQQ; under "strict" in
+the same file.
+
+    python benchmarks/quality.py --minilm-cosine [--bits 2 3 4] [--methods rtn mse gptq]
+        [--sentences 512] [--calib 32]
+
+--minilm-cosine measures all-MiniLM-L6-v2 with its encoder linears quantized: the cosine of
+each sentence embedding (mean pooling, as sentence-transformers) to fp32's, over held-out
+handbook sentences and Python-docs sentences; gptq calibrates on 256-token handbook windows.
+Under "cosine" in OUT/quality_minilm.json.
 """
 from __future__ import annotations
 

@@ -54,3 +54,41 @@ def test_no_commit_hashes_or_dates_in_prose(doc):
     assert not re.findall(r"\b20\d\d-\d\d-\d\d\b", prose), doc
     hashes = [h for h in re.findall(r"\b[0-9a-f]{7,40}\b", prose) if re.search(r"[a-f]", h) and re.search(r"\d", h)]
     assert not hashes, (doc, hashes)
+
+
+def _close(cell: str, value: float) -> bool:
+    """A table cell quotes `value`: its first number within the rounding the table uses."""
+    shown = float(re.match(r"[-+0-9.e]+", cell).group(0))
+    return abs(shown - value) <= max(5e-3 * abs(value), 6e-4)
+
+
+def test_strict_quality_table_quotes_its_result_file():
+    """Every 'kbit METHOD K=k[, rotated]' and 'kbit METHOD mixed A' row of the stricter-measure
+    table is the stored entry's perplexity, KL and top-1 on both texts."""
+    res = json.loads((ROOT / "benchmarks" / "results" / "quality_smollm2.json").read_text())["strict"]["results"]
+    rows = table_after((ROOT / "docs" / "PERFORMANCE.md").read_text(), "### Stricter measure")
+    checked = 0
+    for row in rows:
+        m = re.fullmatch(r"kbit (\w+) K=(\d)(, rotated)?", row[0])
+        mix = re.match(r"kbit (\w+) mixed ([\d.]+)(, gptq loss)?", row[0])
+        if m:
+            entry = res[f"kbit-{m[1]}{'-rot' if m[3] else ''} K{m[2]}"]
+        elif mix:
+            entry = res[f"kbit-{mix[1]} mixed {mix[2]}{' gptq-loss' if mix[3] else ''}"]
+        else:
+            continue
+        for cells, text in ((row[2:5], "handbook"), (row[5:8], "pydocs")):
+            for cell, key in zip(cells, ("ppl", "kl", "top1")):
+                assert _close(cell, entry[text][key]), (row[0], text, key, cell, entry[text][key])
+        checked += 1
+    assert checked >= 12
+
+
+def test_minilm_cosine_table_quotes_its_result_file():
+    res = json.loads((ROOT / "benchmarks" / "results" / "quality_minilm.json").read_text())["cosine"]["results"]
+    rows = table_after((ROOT / "docs" / "PERFORMANCE.md").read_text(), "### MiniLM: sentence embeddings")
+    for row in rows[1:]:
+        entry = res[row[0].split(" (")[0]]
+        for cell, (text, key) in zip(row[2:6], [(t, k) for t in ("handbook", "pydocs") for k in ("mean_cos", "min_cos")]):
+            assert _close(cell, entry[text][key]), (row[0], text, key, cell)
+    assert len(rows) >= 10
