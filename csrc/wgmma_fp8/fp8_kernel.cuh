@@ -42,6 +42,7 @@
 #include "core/common.cuh"
 #include "core/decode.cuh"
 #include "core/layout.cuh"
+#include "wgmma/ptx.cuh"
 #include "wgmma_fp8/fp8_config.h"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -134,12 +135,20 @@ template <int BITS, int MT, int CN> struct Cfg {
 
 // ----------------------------------------------------------------------------- PTX helpers
 
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  // K-major tile of 128-byte rows in the 128 B swizzle: start >> 4, LBO 16 B (unused), SBO
-  // 1024 B between 8-row groups, layout type 1 (SWIZZLE_128B); the same bytes as the fp16
-  // kernel's tiles, whose k16 step is this k32 step (+32 B)
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
+// The PTX wrappers it shares with the fp16 wgmma kernel (wgmma/ptx.cuh). The shared-memory
+// descriptor's bytes are the same: the fp16 kernel's k16 step is this kernel's k32 step (+32 B).
+using wg::fence_proxy_async;
+using wg::smem_desc;
+#if KBIT_FP8_DEVICE
+using wg::bulk_load;
+using wg::fence_regs;
+using wg::mbar_arrive_expect_tx;
+using wg::tma_load_2d;
+using wg::wgmma_commit;
+using wg::wgmma_fence;
+using wg::wgmma_wait;
+#endif
+
 // e4m3 conversions exist from sm_89 on; the quantizer's other targets compile a trap body and
 // the host never launches it there (fp8_launch.cu, supported()).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -163,35 +172,6 @@ __device__ __forceinline__ uint32_t e4m3x2_f32(float lo, float hi) {
 #endif
 
 #if KBIT_FP8_DEVICE
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int k, int row, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-template <int N> __device__ __forceinline__ void fence_regs(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-template <int N> __device__ __forceinline__ void fence_regs(uint32_t (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
-}
-
 // D[64 x N] += A[64 x 32] (registers, e4m3: this warp's 16 rows) * B[32 x N] (shared memory,
 // K-major e4m3, descriptor); fp32 accumulators.
 template <int N> __device__ __forceinline__ void wgmma_e4m3(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc);
